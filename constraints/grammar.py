@@ -1,0 +1,82 @@
+"""Grammars: JSON Schema, Lark and regex compiled to llguidance grammars, cached by a hash of the canonical source.
+
+The tool-turn grammar (a tool call in the model's format *or* free text) is built in ``agent/``; this module only
+compiles sources and checks them.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from schemas.check import compile_json_schema
+from schemas.errors import SchemaError
+
+
+class GrammarError(ValueError):
+    """A Lark or regex grammar does not compile (the message is llguidance's)."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled llguidance grammar.
+
+    Attributes:
+        text: llguidance's serialised grammar (pass to ``LLMatcher``).
+        kind: ``"json_schema"``, ``"lark"`` or ``"regex"``.
+        key: sha256 of the canonical source (cache key).
+    """
+
+    text: str
+    kind: str
+    key: str
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_schema_grammar(schema: Any, *, lenient: bool = False) -> Grammar:
+    """Compile a JSON Schema (compact separators, no free whitespace). Raises :class:`SchemaError`."""
+    return _json_cached(_canonical(schema), lenient)
+
+
+@functools.lru_cache(maxsize=256)
+def _json_cached(canonical: str, lenient: bool) -> Grammar:
+    text = compile_json_schema(json.loads(canonical), lenient=lenient)
+    return Grammar(text, "json_schema", hashlib.sha256((str(lenient) + canonical).encode()).hexdigest())
+
+
+@functools.lru_cache(maxsize=256)
+def lark_grammar(lark: str) -> Grammar:
+    """Compile a Lark grammar (llguidance dialect: ``%json {...}`` embeds a JSON Schema). Raises GrammarError."""
+    text = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    if is_error:
+        raise GrammarError(f"Lark grammar does not compile: {messages[0]}")
+    return Grammar(text, "lark", hashlib.sha256(lark.encode()).hexdigest())
+
+
+@functools.lru_cache(maxsize=256)
+def regex_grammar(regex: str) -> Grammar:
+    """Compile a regular expression (no look-around). Raises GrammarError."""
+    text = llguidance.LLMatcher.grammar_from_regex(regex)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    if is_error:
+        raise GrammarError(f"regex does not compile: {messages[0]}")
+    return Grammar(text, "regex", hashlib.sha256(regex.encode()).hexdigest())
+
+
+def lark_json(schema: Any) -> str:
+    """The Lark fragment ``%json {...}`` for embedding a JSON Schema in a Lark rule (compact, no whitespace)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ",",
+                                                           "key_separator": ":"}}
+                                 if isinstance(schema, dict) else schema, ensure_ascii=False)
+
+
+__all__ = ["Grammar", "GrammarError", "SchemaError", "json_schema_grammar", "lark_grammar", "lark_json",
+           "regex_grammar"]

@@ -1,0 +1,134 @@
+"""ConstraintState: one llguidance matcher per sequence, with bitmask fill, consume, rollback and status.
+
+llguidance reports misuse through an error state (see its ``LLMatcher`` docs); this wrapper turns every error state
+into a :class:`ConstraintError` and never leaves a matcher half-advanced: a rejected token leaves the state as it was.
+"""
+from __future__ import annotations
+
+import time
+
+import llguidance
+import torch
+
+from .bitmask import allocate_bitmask, is_allowed, single_allowed
+from .grammar import Grammar
+
+
+class ConstraintError(RuntimeError):
+    """The grammar cannot take a token (or is in an error state); the message says which token and why."""
+
+
+class ConstraintState:
+    """The grammar state of one sequence.
+
+    Args:
+        tokenizer: the llguidance tokenizer (``constraints.tokenizer.llg_tokenizer``).
+        grammar: a compiled :class:`Grammar`.
+
+    Attributes:
+        num_tokens: tokens consumed so far (after rollbacks).
+        mask_seconds: total wall time spent computing masks (s).
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: Grammar):
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        self.vocab_size = tokenizer.vocab_size
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
+        if self.matcher.is_error():
+            raise ConstraintError(f"grammar does not load: {self.matcher.get_error()}")
+        self.num_tokens = 0
+        self.mask_seconds = 0.0
+        self.mask_calls = 0
+        self._row = allocate_bitmask(1, self.vocab_size)
+
+    # -- masks ---------------------------------------------------------------------------------------------------
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        """Write the next-token mask into ``bitmask[row]`` (``int32 [rows, ceil(V/32)]``, CPU, contiguous)."""
+        t0 = time.perf_counter()
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_calls += 1
+        self._check("computing the mask")
+
+    def next_mask(self) -> torch.Tensor:
+        """The next-token mask as a fresh ``int32 [ceil(V/32)]`` row."""
+        self.fill_bitmask(self._row, 0)
+        return self._row[0].clone()
+
+    def forced_token(self, bitmask_row: torch.Tensor) -> int | None:
+        """The only token ``bitmask_row`` allows (a schema-forced token), or None."""
+        return single_allowed(bitmask_row)
+
+    def ff_tokens(self) -> list[int]:
+        """llguidance's fast-forward tokens: the canonical tokenisation of the bytes the grammar forces next."""
+        return self.matcher.compute_ff_tokens()
+
+    # -- advancing -----------------------------------------------------------------------------------------------
+    def consume(self, token: int) -> None:
+        """Advance by one token. Raises :class:`ConstraintError` (state unchanged) if the grammar forbids it."""
+        n = self.matcher.validate_tokens([token])
+        if n != 1:
+            raise ConstraintError(f"token {token} ({self._show(token)}) is not allowed here"
+                                  f"{self._context()}")
+        if not self.matcher.consume_token(token):
+            raise ConstraintError(f"consuming token {token} failed: {self.matcher.get_error()}")
+        self.num_tokens += 1
+
+    def consume_many(self, tokens: list[int]) -> None:
+        """Advance by several tokens, all or nothing (raises :class:`ConstraintError`, state unchanged)."""
+        n = self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        if n != len(tokens):
+            bad = tokens[n]
+            raise ConstraintError(f"token {bad} ({self._show(bad)}) at index {n} is not allowed{self._context()}")
+        if tokens and not self.matcher.consume_tokens(list(tokens)):
+            raise ConstraintError(f"consuming tokens failed: {self.matcher.get_error()}")
+        self.num_tokens += len(tokens)
+
+    def valid_prefix_len(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar would accept from here (state unchanged)."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens (0 <= n <= num_tokens)."""
+        if n < 0 or n > self.num_tokens:
+            raise ValueError(f"cannot roll back {n} tokens: {self.num_tokens} consumed")
+        if n and not self.matcher.rollback(n):
+            raise ConstraintError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
+        self.num_tokens -= n
+
+    def reset(self) -> None:
+        """Back to the start state."""
+        self.matcher.reset()
+        self.num_tokens = 0
+
+    # -- status --------------------------------------------------------------------------------------------------
+    def is_accepting(self) -> bool:
+        """The tokens so far form a complete match (EOS is allowed)."""
+        return self.matcher.is_accepting()
+
+    def is_stopped(self) -> bool:
+        """Nothing but EOS can follow (the grammar is complete and cannot extend)."""
+        return self.matcher.is_stopped()
+
+    def allows(self, bitmask_row: torch.Tensor, token: int) -> bool:
+        return is_allowed(bitmask_row, token)
+
+    @property
+    def eos_token(self) -> int:
+        return self.tokenizer.eos_token
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _check(self, what: str) -> None:
+        if self.matcher.is_error():
+            raise ConstraintError(f"grammar error while {what}: {self.matcher.get_error()}")
+
+    def _show(self, token: int) -> str:
+        try:
+            return repr(self.tokenizer.decode_str([token]))
+        except Exception:
+            return "?"
+
+    def _context(self) -> str:
+        return f" after {self.num_tokens} tokens"

@@ -1,0 +1,159 @@
+"""Drafters: propose the next draft token for a sequence under a grammar mask.
+
+One small protocol (as in transformers' candidate generators): :meth:`Drafter.propose` returns a token the mask
+allows plus its draft distribution q (None = deterministic, i.e. one-hot q), or None to end the draft window.
+Schema-forced tokens (the mask allows exactly one token) are drafted by the speculative decoder itself, for free,
+before any drafter is asked.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from constraints import ConstraintState, apply_bitmask, is_allowed_row
+
+from .model import CausalLM
+from .sampling import SamplingParams, probs_from_logits, sample
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens. Implementations keep whatever state they need and resynchronise from ``tokens``."""
+
+    name: str
+
+    def propose(self, tokens: list[int], state: ConstraintState, bitmask_row: torch.Tensor,
+                sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None] | None:
+        """Next draft token after ``tokens`` (prompt + output + drafts so far).
+
+        Args:
+            tokens: the full sequence so far.
+            state: the grammar state after ``tokens`` (read it, do not advance it).
+            bitmask_row: ``int32 [ceil(V/32)]`` mask of allowed next tokens.
+        Returns:
+            ``(token, q)`` with ``q`` the masked, renormalised draft distribution ``float32 [V]`` (sampling with a
+            model drafter) or None (deterministic proposal), or None to stop drafting.
+        """
+        ...
+
+    def reset(self) -> None:
+        """Forget per-sequence state (called before each decode)."""
+        ...
+
+
+class SchemaDrafter:
+    """Proposes llguidance's fast-forward tokens: the canonical tokenisation of bytes the grammar forces next
+    (e.g. ``","`` + the next property name). Where the mask allows several tokens (``{`` and ``{"``), the target
+    decides; these proposals are verified like any draft."""
+
+    name = "schema"
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        ff = state.ff_tokens()
+        if ff and is_allowed_row(bitmask_row, ff[0]):
+            return ff[0], None
+        return None
+
+    def reset(self) -> None:
+        pass
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding: match the last n tokens (n = ``max_ngram`` … ``min_ngram``) against earlier
+    context and propose the token that followed the most recent match (tool arguments are often copied from the
+    user's words). Proposals the grammar forbids end the window.
+
+    Source: Saxena 2023, "Prompt Lookup Decoding"; transformers' ``PromptLookupCandidateGenerator``.
+    """
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def lookup(self, tokens: list[int]) -> int | None:
+        """The token after the most recent earlier occurrence of the longest matching suffix n-gram."""
+        n_tok = len(tokens)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tok - n:]
+            first = suffix[0]
+            for start in range(n_tok - n - 1, -1, -1):
+                if tokens[start] == first and tokens[start:start + n] == suffix:
+                    return tokens[start + n]
+        return None
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        tok = self.lookup(tokens)
+        if tok is None or not is_allowed_row(bitmask_row, tok):
+            return None
+        return tok, None
+
+    def reset(self) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A smaller model with the same tokenizer and its own KV cache drafts token by token, masking its logits
+    with the grammar row (so every draft is grammatical). Greedy: argmax (one-hot q). Sampling: a draw from its
+    masked, renormalised q, returned for the Leviathan et al. acceptance test.
+
+    The draft cache follows the sequence by longest common prefix: rollback after rejection is a crop, and
+    schema-forced tokens it did not see are fed in the next draft forward, batched.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.cached: list[int] = []
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.cached = []
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        keep = _common_prefix(self.cached, tokens)
+        keep = min(keep, len(tokens) - 1)  # at least one token to feed, for fresh logits
+        self.model.crop(keep)
+        logits, _ = self.model.forward(tokens[keep:], num_logits=1)
+        self.forwards += 1
+        self.cached = list(tokens)
+        width = bitmask_row.shape[0] * 32
+        if logits.shape[-1] < width:
+            logits = torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
+        masked = apply_bitmask(logits[:, :width].clone(), bitmask_row.unsqueeze(0))
+        if sampling.greedy:
+            return int(torch.argmax(masked[0])), None
+        q = probs_from_logits(masked, sampling)[0]
+        return sample(q, generator), q
+
+
+class ChainDrafter:
+    """Ask several drafters in order; the first proposal wins (e.g. schema fast-forward, then prompt lookup)."""
+
+    def __init__(self, drafters: list):
+        self.drafters = list(drafters)
+        self.name = "+".join(d.name for d in self.drafters)
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        for d in self.drafters:
+            out = d.propose(tokens, state, bitmask_row, sampling, generator)
+            if out is not None:
+                return out
+        return None
+
+    def reset(self) -> None:
+        for d in self.drafters:
+            d.reset()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

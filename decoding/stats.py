@@ -1,0 +1,102 @@
+"""Decode statistics and results (small dataclasses; summed across turns with ``+``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class DecodeStats:
+    """Counters and timings of one or more decodes.
+
+    Attributes:
+        prompt_tokens: tokens prefilled.
+        new_tokens: tokens emitted (EOS excluded).
+        target_forwards: target model forwards after prefill (one per decode step / verification).
+        drafted: tokens proposed by a drafter (schema-forced tokens not included).
+        accepted: drafted tokens the target accepted.
+        forced: schema-forced tokens (the mask allowed exactly one token), accepted without a drafter call.
+        drafted_by_position / accepted_by_position: per draft position in the window (0 = first drafted token).
+        seconds: wall time of the decode (s), prefill included; ``prefill_seconds``, ``draft_seconds``,
+            ``verify_seconds``, ``mask_seconds`` split it (mask time is also inside draft time).
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    forced: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    mask_seconds: float = 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Emitted tokens per target forward after prefill."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (drafter proposals only)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Emitted tokens per second of decode time (prefill excluded)."""
+        t = self.seconds - self.prefill_seconds
+        return self.new_tokens / t if t > 0 else 0.0
+
+    def record_position(self, position: int, accepted: bool) -> None:
+        while len(self.drafted_by_position) <= position:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        self.drafted_by_position[position] += 1
+        self.accepted_by_position[position] += int(accepted)
+
+    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+        out = DecodeStats()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                setattr(out, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+            else:
+                setattr(out, f.name, a + b)
+        return out
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(tokens_per_forward=self.tokens_per_forward, acceptance_rate=self.acceptance_rate,
+                 acceptance_by_position=self.acceptance_by_position, tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclass
+class DecodeResult:
+    """Output of one constrained decode.
+
+    Attributes:
+        tokens: emitted token ids (EOS excluded).
+        text: ``tokens`` decoded.
+        stop_reason: ``"eos"`` (model ended, grammar accepting), ``"grammar"`` (grammar complete, nothing else
+            allowed) or ``"length"`` (``max_new_tokens`` reached).
+        stats: :class:`DecodeStats`.
+    """
+
+    tokens: list[int]
+    text: str
+    stop_reason: str
+    stats: DecodeStats
+
+    @property
+    def truncated(self) -> bool:
+        """True when ``max_new_tokens`` cut the output: never to be presented as a valid call."""
+        return self.stop_reason == "length"

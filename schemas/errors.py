@@ -1,0 +1,49 @@
+"""Exceptions raised for bad schemas, bad tool definitions and invalid tool calls.
+
+Every error names what is wrong in terms a user can act on: the tool, the argument, the JSON Schema keyword and
+its JSON pointer (RFC 6901) inside the schema or instance.
+"""
+from __future__ import annotations
+
+
+class SchemaError(ValueError):
+    """A JSON Schema is invalid, or uses keywords that cannot be enforced exactly.
+
+    Attributes:
+        pointer: JSON pointer of the offending node inside the schema (``""`` = the root).
+        keyword: the JSON Schema keyword at fault (``"not"``, ``"type"``, ``"$ref"``…), or None.
+        tool: the tool name the schema belongs to, if any.
+        problems: every ``(pointer, keyword, message)`` found (the first one also fills the fields above).
+    """
+
+    def __init__(self, message: str, *, pointer: str = "", keyword: str | None = None,
+                 tool: str | None = None, problems: list[tuple[str, str | None, str]] | None = None):
+        self.pointer = pointer
+        self.keyword = keyword
+        self.tool = tool
+        self.problems = problems or [(pointer, keyword, message)]
+        prefix = f"tool {tool!r}: " if tool else ""
+        super().__init__(prefix + message)
+
+
+class ToolError(ValueError):
+    """A tool definition is unusable (duplicate or malformed name, unsupported object, bad signature)."""
+
+
+class ToolCallError(ValueError):
+    """A tool call does not name a registered tool or its arguments fail validation.
+
+    Attributes:
+        tool: the tool name in the call (may be unknown).
+        pointer: JSON pointer into the arguments of the first failing value (``""`` = the arguments object).
+    """
+
+    def __init__(self, message: str, *, tool: str | None = None, pointer: str = ""):
+        self.tool = tool
+        self.pointer = pointer
+        super().__init__(message)
+
+
+def json_pointer(path) -> str:
+    """RFC 6901 pointer for a sequence of keys/indices: ``["a", 0, "b/c"]`` -> ``"/a/0/b~1c"``."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)

@@ -1,0 +1,281 @@
+"""Tool definitions: typed Python functions, pydantic models, raw JSON Schema and OpenAI-style dicts -> :class:`Tool`.
+
+A :class:`Tool` carries a name, a description, the JSON Schema of its arguments and, optionally, a Python callable.
+Arguments decoded by the model are validated with pydantic (function and model tools) or jsonschema (raw schemas)
+into a typed :class:`ToolCall`.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jsonschema
+import pydantic
+
+from .check import check_enforceable, check_valid, validator_class, walk
+from .errors import SchemaError, ToolCallError, ToolError, json_pointer
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+@dataclass
+class ToolCall:
+    """One validated tool call.
+
+    Attributes:
+        name: the tool's registered name.
+        arguments: the arguments exactly as decoded (parsed JSON object).
+        value: the validated arguments: a pydantic model instance for function/model tools, a dict for raw schemas.
+        id: an OpenAI-style call id (``call_<hex>``).
+    """
+
+    name: str
+    arguments: dict
+    value: Any
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_openai(self) -> dict:
+        """OpenAI ``tool_calls`` entry: ``{"id", "type": "function", "function": {"name", "arguments": str}}``."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass
+class Tool:
+    """A callable (or call-only) tool with a JSON Schema for its arguments.
+
+    Attributes:
+        name: unique name, ``[A-Za-z0-9_.-]{1,64}``.
+        description: shown to the model.
+        parameters: JSON Schema of the arguments object.
+        fn: the Python callable run with the validated arguments, or None (the call is returned to the caller).
+        model: pydantic model that validates the arguments (function and model tools), or None (jsonschema).
+        strict: True: keywords the grammar cannot enforce are rejected at registration; False: relaxed in the
+            grammar and every decoded call is validated with jsonschema/pydantic afterwards.
+        thread_safe: the agent may run several calls of this tool at once.
+    """
+
+    name: str
+    description: str
+    parameters: dict
+    fn: Callable[..., Any] | None = None
+    model: type[pydantic.BaseModel] | None = None
+    strict: bool = True
+    thread_safe: bool = True
+    _validator: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise ToolError(f"tool name {self.name!r} must match {NAME_RE.pattern}")
+        if not isinstance(self.parameters, dict):
+            raise SchemaError(f"parameters must be a JSON Schema object, got {type(self.parameters).__name__}",
+                              tool=self.name)
+        check_valid(self.parameters, tool=self.name)
+        if self.strict:
+            check_enforceable(self.parameters, tool=self.name)
+        if self.model is None:
+            cls = validator_class(self.parameters)
+            self._validator = cls(self.parameters)
+
+    # -- validation ---------------------------------------------------------------------------------------------
+    def validate(self, arguments: Any) -> Any:
+        """Validate decoded arguments; returns a pydantic instance (model/function tools) or the dict (raw schema).
+
+        Raises:
+            ToolCallError: naming the tool, the argument's JSON pointer and what is wrong.
+        """
+        if not isinstance(arguments, dict):
+            raise ToolCallError(f"tool {self.name!r}: arguments must be a JSON object, got "
+                                f"{type(arguments).__name__}", tool=self.name)
+        if self.model is not None:
+            try:
+                return self.model.model_validate(arguments)
+            except pydantic.ValidationError as e:
+                err = e.errors()[0]
+                pointer = json_pointer(err["loc"])
+                raise ToolCallError(f"tool {self.name!r}: argument at {pointer or '/'} is invalid: {err['msg']}"
+                                    f" ({len(e.errors())} error(s))", tool=self.name, pointer=pointer) from None
+        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        if errors:
+            e = errors[0]
+            pointer = json_pointer(e.absolute_path)
+            raise ToolCallError(f"tool {self.name!r}: argument at {pointer or '/'} fails keyword "
+                                f"{e.validator!r}: {e.message}", tool=self.name, pointer=pointer)
+        return arguments
+
+    def make_call(self, arguments: Any, call_id: str | None = None) -> ToolCall:
+        """Validate ``arguments`` and wrap them into a :class:`ToolCall` (raises :class:`ToolCallError`)."""
+        value = self.validate(arguments)
+        call = ToolCall(self.name, arguments, value)
+        if call_id:
+            call.id = call_id
+        return call
+
+    def invoke(self, call: ToolCall) -> Any:
+        """Run ``fn`` with the validated arguments of ``call``. Raises ToolError when the tool has no callable."""
+        if self.fn is None:
+            raise ToolError(f"tool {self.name!r} has no Python callable to run")
+        value = call.value
+        if isinstance(value, pydantic.BaseModel):
+            if getattr(self, "_takes_model", False):
+                return self.fn(value)
+            kwargs = {k: getattr(value, k) for k in type(value).model_fields}
+            return self.fn(**kwargs)
+        return self.fn(**value)
+
+    def to_openai(self) -> dict:
+        """OpenAI tool dict ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+    # -- constructors -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None,
+                      strict: bool = True) -> "Tool":
+        """Build a tool from a typed function: parameters from the signature, descriptions from the docstring.
+
+        Google-style ``Args:`` sections (``name (type): text`` or ``name: text``) give per-argument descriptions.
+
+        Raises:
+            ToolError: a parameter without annotation, or ``*args`` / ``**kwargs``.
+        """
+        tool_name = name or fn.__name__
+        doc = inspect.getdoc(fn) or ""
+        summary, arg_docs = _parse_docstring(doc)
+        try:
+            sig = inspect.signature(fn)
+            hints = _type_hints(fn)
+        except (TypeError, ValueError) as e:
+            raise ToolError(f"tool {tool_name!r}: cannot read the signature of {fn!r}: {e}") from None
+        fields: dict[str, Any] = {}
+        for pname, p in sig.parameters.items():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise ToolError(f"tool {tool_name!r}: parameter {pname!r} is *args/**kwargs; tools need named, "
+                                f"typed parameters")
+            if pname not in hints:
+                raise ToolError(f"tool {tool_name!r}: parameter {pname!r} has no type annotation")
+            default = ... if p.default is p.empty else p.default
+            fields[pname] = (hints[pname], pydantic.Field(default, description=arg_docs.get(pname)))
+        model = pydantic.create_model(_model_name(tool_name), **fields)
+        schema = _clean_pydantic_schema(model.model_json_schema())
+        return cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,
+                   strict=strict)
+
+    @classmethod
+    def from_model(cls, model: type[pydantic.BaseModel], *, name: str | None = None,
+                   description: str | None = None, fn: Callable[..., Any] | None = None,
+                   strict: bool = True) -> "Tool":
+        """Build a tool from a pydantic model: its fields are the arguments; the validated value is an instance.
+
+        ``fn``, if given, is called with the model instance.
+        """
+        schema = _clean_pydantic_schema(model.model_json_schema())
+        tool = cls(name or model.__name__, description if description is not None else
+                   (inspect.getdoc(model) or "").split("\n\n")[0], schema, fn=fn, model=model, strict=strict)
+        tool._takes_model = True
+        return tool
+
+    @classmethod
+    def from_schema(cls, name: str, parameters: dict, *, description: str = "",
+                    fn: Callable[..., Any] | None = None, strict: bool = True) -> "Tool":
+        """Build a tool from a raw JSON Schema (validated with jsonschema); ``fn`` gets the arguments as kwargs."""
+        return cls(name, description, copy.deepcopy(parameters), fn=fn, strict=strict)
+
+    @classmethod
+    def from_openai(cls, spec: dict, *, fn: Callable[..., Any] | None = None, strict: bool = True) -> "Tool":
+        """Build a tool from ``{"type": "function", "function": {...}}`` or the bare ``{"name", "parameters"}``."""
+        if spec.get("type") == "function" and isinstance(spec.get("function"), dict):
+            spec = spec["function"]
+        if "name" not in spec:
+            raise ToolError(f"OpenAI-style tool dict needs a 'name' (got keys {sorted(spec)})")
+        params = spec.get("parameters", {"type": "object", "properties": {}})
+        return cls.from_schema(spec["name"], params, description=spec.get("description", ""), fn=fn,
+                               strict=strict)
+
+
+def as_tool(obj: Any, *, strict: bool = True) -> Tool:
+    """Coerce a function, pydantic model class, OpenAI dict or :class:`Tool` into a :class:`Tool`.
+
+    A raw JSON Schema dict needs a name: pass ``{"name": ..., "parameters": schema}`` or use
+    :meth:`Tool.from_schema`.
+    """
+    if isinstance(obj, Tool):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, pydantic.BaseModel):
+        return Tool.from_model(obj, strict=strict)
+    if isinstance(obj, dict):
+        if "function" in obj or "name" in obj:
+            return Tool.from_openai(obj, strict=strict)
+        raise ToolError("a raw JSON Schema needs a tool name: use Tool.from_schema(name, schema) or "
+                        "{'name': ..., 'parameters': schema}")
+    if callable(obj):
+        return Tool.from_function(obj, strict=strict)
+    raise ToolError(f"cannot make a tool from {type(obj).__name__}: pass a function, a pydantic model, "
+                    f"an OpenAI tool dict or a Tool")
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+_ARGS_HEADER = re.compile(r"^(Args|Arguments|Parameters|Params):\s*$", re.I)
+_SECTION = re.compile(r"^(Returns?|Raises|Yields|Examples?|Notes?):\s*$", re.I)
+_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (summary, {arg: description})."""
+    lines = doc.splitlines()
+    summary_lines: list[str] = []
+    args: dict[str, str] = {}
+    i = 0
+    while i < len(lines) and not _ARGS_HEADER.match(lines[i].strip()) and not _SECTION.match(lines[i].strip()):
+        summary_lines.append(lines[i])
+        i += 1
+    current = None
+    in_args = False
+    for line in lines[i:]:
+        s = line.strip()
+        if _ARGS_HEADER.match(s):
+            in_args = True
+            continue
+        if _SECTION.match(s):
+            in_args = False
+            continue
+        if not in_args or not s:
+            continue
+        m = _ARG_LINE.match(line)
+        indent = len(line) - len(line.lstrip())
+        if m and (current is None or indent <= args.get("__indent__", indent)):
+            current = m.group(1)
+            args[current] = m.group(3).strip()
+            args.setdefault("__indent__", indent)
+        elif current:
+            args[current] = (args[current] + " " + s).strip()
+    args.pop("__indent__", None)
+    summary = " ".join(" ".join(summary_lines).split())
+    return summary, args
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    import typing
+    try:
+        return typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # unresolved forward references: fall back to raw annotations
+        return {k: v for k, v in getattr(fn, "__annotations__", {}).items()}
+
+
+def _model_name(tool_name: str) -> str:
+    return "".join(part.capitalize() for part in re.split(r"[^A-Za-z0-9]", tool_name) if part) + "Args"
+
+
+def _clean_pydantic_schema(schema: dict) -> dict:
+    """Drop pydantic's ``title`` annotations (noise for the model and the grammar); keep everything else."""
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        title = node.get("title")
+        if isinstance(title, str):
+            del node["title"]
+    return schema
