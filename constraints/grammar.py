@@ -71,11 +71,20 @@ def regex_grammar(regex: str) -> Grammar:
     return Grammar(text, "regex", hashlib.sha256(regex.encode()).hexdigest())
 
 
-def lark_json(schema: Any) -> str:
-    """The Lark fragment ``%json {...}`` for embedding a JSON Schema in a Lark rule (compact, no whitespace)."""
-    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ",",
-                                                           "key_separator": ":"}}
-                                 if isinstance(schema, dict) else schema, ensure_ascii=False)
+def lark_json(schema: Any, *, separators: tuple[str, str] = (",", ":"), lenient: bool = False) -> str:
+    """The Lark fragment ``%json {...}`` embedding a JSON Schema in a Lark rule.
+
+    Args:
+        separators: ``(item, key)`` separators, fixed (no free whitespace): compact ``(",", ":")`` by default;
+            ``(", ", ": ")`` is what ``json.dumps`` writes and what most chat models saw in training.
+        lenient: relax keywords the grammar cannot enforce (the caller validates outputs).
+    """
+    if not isinstance(schema, dict):
+        schema = {} if schema is True else {"not": {}}
+    options = {"whitespace_flexible": False, "item_separator": separators[0], "key_separator": separators[1]}
+    if lenient:
+        options.update(lenient=True, coerce_one_of=True)
+    return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
 
 
 __all__ = ["Grammar", "GrammarError", "SchemaError", "json_schema_grammar", "lark_grammar", "lark_json",

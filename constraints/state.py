@@ -68,8 +68,9 @@ class ConstraintState:
     # -- advancing -----------------------------------------------------------------------------------------------
     def consume(self, token: int) -> None:
         """Advance by one token. Raises :class:`ConstraintError` (state unchanged) if the grammar forbids it."""
-        n = self.matcher.validate_tokens([token])
-        if n != 1:
+        ok = self.matcher.is_accepting() if token == self.tokenizer.eos_token else \
+            self.matcher.validate_tokens([token]) == 1
+        if not ok:
             raise ConstraintError(f"token {token} ({self._show(token)}) is not allowed here"
                                   f"{self._context()}")
         if not self.matcher.consume_token(token):

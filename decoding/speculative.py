@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -135,7 +136,7 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
                        num_draft_tokens: int = 4, max_new_tokens: int = 256,
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
                        max_num_draft_tokens: int = 8, max_window: int = 32, eos_token_id: int | None = None,
-                       tokenizer=None) -> DecodeResult:
+                       tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Constrained speculative decoding (see module docstring).
 
     Args:
@@ -148,6 +149,8 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
             within ``[1, max_num_draft_tokens]``.
         max_new_tokens: output budget (``stop_reason == "length"`` when reached).
         sampling: greedy when ``temperature == 0``.
+        on_step: called after each committed step with the output tokens so far (tests check that the grammar
+            state and KV cache then equal those rebuilt from scratch).
 
     Returns:
         :class:`DecodeResult` with acceptance statistics.
@@ -227,6 +230,8 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         seq.append(bonus)
         target.crop(base + 1 + n)  # keep cur + accepted drafts; bonus becomes the new cur
         cur = bonus
+        if on_step is not None:
+            on_step(tokens)
     stats.new_tokens = len(tokens)
     stats.mask_seconds = state.mask_seconds - mask0
     stats.seconds = time.perf_counter() - t_start

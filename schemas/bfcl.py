@@ -25,12 +25,13 @@ _TYPE_MAP = {
 _ANY = {"any", ""}
 
 
-def normalize_schema(node: Any, *, code_strings: bool = False) -> Any:
+def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = True) -> Any:
     """Return a JSON Schema for a BFCL ``parameters`` node (input unchanged).
 
     Args:
-        code_strings: Java/JavaScript categories, where BFCL's values are source-code strings: every leaf
-            (non-object) parameter becomes ``{"type": "string"}``, keeping its description.
+        code_strings: Java/JavaScript categories, where BFCL's values are source-code strings: the root stays an
+            object and every parameter becomes ``{"type": "string"}`` (keeping description and enum), whatever its
+            declared type (``HashMap``, ``Array``, ``dict``… values are code too).
     """
     if not isinstance(node, dict):
         return node
@@ -44,7 +45,7 @@ def normalize_schema(node: Any, *, code_strings: bool = False) -> Any:
             t = None
         elif key in _TYPE_MAP:
             t = _TYPE_MAP[key]
-    if code_strings and t != "object":
+    if code_strings and not _root:
         out["type"] = "string"
         if "description" in node:
             out["description"] = node["description"]
@@ -55,9 +56,9 @@ def normalize_schema(node: Any, *, code_strings: bool = False) -> Any:
         out["type"] = t
     for k, v in node.items():
         if k == "properties" and isinstance(v, dict):
-            out[k] = {name: normalize_schema(sub, code_strings=code_strings) for name, sub in v.items()}
+            out[k] = {name: normalize_schema(sub, code_strings=code_strings, _root=False) for name, sub in v.items()}
         elif k == "items" and isinstance(v, dict):
-            out[k] = normalize_schema(v, code_strings=code_strings)
+            out[k] = normalize_schema(v, code_strings=code_strings, _root=False)
         elif k == "required" and isinstance(v, list):
             out[k] = [r for r in v if isinstance(r, str)]
         elif k == "default":
@@ -69,8 +70,6 @@ def normalize_schema(node: Any, *, code_strings: bool = False) -> Any:
     if out.get("type") == "object" and "properties" in out:
         props = out["properties"]
         out["required"] = [r for r in out.get("required", []) if r in props]
-    if out.get("type") == "number" and "enum" not in out:
-        pass
     return out
 
 

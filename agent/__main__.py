@@ -1,0 +1,121 @@
+"""Command line: ``python -m agent demo | run | bfcl``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF directory or .gguf path (default: smollm2)")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS)
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, drafter tokens per window")
+    p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
+    p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def _agent(args, tools):
+    from agent import Agent
+
+    return Agent(args.model, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
+                 adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
+
+
+def _print_run(prompt: str, res) -> None:
+    print(f"\n>>> {prompt}")
+    for rec in res.tool_calls:
+        print(f"  tool call : {rec.call.name}({json.dumps(rec.call.arguments, ensure_ascii=False)})")
+        print(f"  result    : {rec.error if rec.error else json.dumps(rec.result, ensure_ascii=False, default=str)}")
+    for c in res.pending_calls:
+        print(f"  tool call : {c.name}({json.dumps(c.arguments, ensure_ascii=False)})  [no callable: returned]")
+    if res.truncated:
+        print("  (truncated at --max-new-tokens: output not returned)")
+    if res.final_answer is not None:
+        print(f"  answer    : {res.final_answer.strip()}")
+    s = res.stats
+    print(f"  stats     : {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, {s.tokens_per_forward:.2f} tokens/forward, "
+          f"{s.target_forwards} target forwards, acceptance {s.acceptance_rate:.2f}, {s.forced} forced tokens")
+
+
+def cmd_demo(args) -> int:
+    from .demo_tools import PROMPTS, TOOLS
+
+    t = time.perf_counter()
+    agent = _agent(args, TOOLS)
+    print(f"model: {agent.generator.loaded.name} on {args.device} ({time.perf_counter() - t:.1f} s to load); "
+          f"drafter: {args.drafter}; tools: {', '.join(agent.registry.names)}")
+    for prompt in PROMPTS:
+        # SmolLM2-135M almost never chooses a tool on its own ("auto"); the demo asks for one on the first turn
+        # (enforced by the grammar) and lets the model answer in text after the result.
+        res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
+        _print_run(prompt, res)
+    return 0
+
+
+def cmd_run(args) -> int:
+    mod_name, _, attr = args.tools.partition(":")
+    if not attr:
+        raise SystemExit("--tools takes MODULE:OBJ (a list of tools, or one tool)")
+    sys.path.insert(0, ".")
+    obj = getattr(importlib.import_module(mod_name), attr)
+    tools = obj if isinstance(obj, (list, tuple)) else [obj]
+    agent = _agent(args, tools)
+    res = agent.run(args.prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
+    _print_run(args.prompt, res)
+    return 0
+
+
+def cmd_bfcl(args) -> int:
+    from decoding import Generator
+
+    from .bfcl import run_bfcl
+    from .agent import Agent
+
+    gen = Generator(args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
+                    adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
+
+    def factory(tools):
+        return Agent(gen, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, strict=False,
+                     max_string_length=args.max_string_length, max_decimals=args.max_decimals)
+
+    run_bfcl(factory, args.category, limit=args.limit, data_dir=args.data_dir, drafter=args.drafter,
+             max_new_tokens=args.max_new_tokens, out=lambda s: print(s, flush=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m agent", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("demo", help="three example tools, three prompts, on the default model")
+    _common(p)
+    p.add_argument("--tool-choice", default="required", help="auto | required | none (first turn)")
+    p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("run", help="run your own tools: --tools MODULE:OBJ 'prompt'")
+    _common(p)
+    p.add_argument("--tools", required=True)
+    p.add_argument("--tool-choice", default="auto")
+    p.add_argument("prompt")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("bfcl", help="BFCL questions; prints ID, VALID, CORRECT, OUTPUT and a JSON summary")
+    _common(p)
+    p.add_argument("--category", default="simple_python")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
+    p.add_argument("--max-string-length", type=int, default=200,
+                   help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
+    p.add_argument("--max-decimals", type=int, default=8,
+                   help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
+    p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Three example tools for ``python -m agent demo``: weather from a local table, a calculator, a unit converter."""
+from __future__ import annotations
+
+import ast
+import operator
+from typing import Literal
+
+WEATHER = {
+    "paris": {"temperature_c": 18, "condition": "cloudy"},
+    "london": {"temperature_c": 14, "condition": "rain"},
+    "tokyo": {"temperature_c": 24, "condition": "sunny"},
+    "new york": {"temperature_c": 21, "condition": "windy"},
+}
+
+
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius") -> dict:
+    """Get the current weather in a city.
+
+    Args:
+        city: The city name, e.g. Paris.
+        unit: Temperature unit.
+    """
+    row = WEATHER.get(city.strip().lower())
+    if row is None:
+        raise ValueError(f"no weather data for {city!r}; known cities: {', '.join(sorted(WEATHER))}")
+    t = row["temperature_c"]
+    return {"city": city, "temperature": t if unit == "celsius" else round(t * 9 / 5 + 32, 1), "unit": unit,
+            "condition": row["condition"]}
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow, ast.USub: operator.neg, ast.Mod: operator.mod}
+
+
+def calculate(expression: str) -> float:
+    """Evaluate an arithmetic expression with + - * / ** % and parentheses.
+
+    Args:
+        expression: The arithmetic expression, e.g. (3 + 4) * 12.
+    """
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported expression: {expression!r}")
+    return ev(ast.parse(expression, mode="eval"))
+
+
+_LENGTH_M = {"m": 1.0, "km": 1000.0, "cm": 0.01, "mm": 0.001, "mile": 1609.344, "ft": 0.3048, "inch": 0.0254}
+
+
+def convert_units(value: float, from_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"],
+                  to_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"]) -> dict:
+    """Convert a length between units.
+
+    Args:
+        value: The amount to convert.
+        from_unit: The unit of the value.
+        to_unit: The unit to convert to.
+    """
+    return {"value": round(value * _LENGTH_M[from_unit] / _LENGTH_M[to_unit], 6), "unit": to_unit}
+
+
+TOOLS = [get_weather, calculate, convert_units]
+PROMPTS = [
+    "What's the weather like in Tokyo right now?",
+    "What is (17 + 25) * 3?",
+    "How many feet are in 5 km?",
+]

@@ -1,0 +1,176 @@
+"""schemas/: tool definitions -> JSON Schema, registry, envelope, validation, BFCL dialect, registration errors."""
+from __future__ import annotations
+
+import enum
+from typing import Literal, Optional
+
+import jsonschema
+import pydantic
+import pytest
+
+from schemas import SchemaError, Tool, ToolCallError, ToolError, ToolRegistry, call_schema, close_objects
+from schemas.bfcl import normalize_schema, tool_from_bfcl
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    zip_code: int
+
+
+def book(city: str, nights: int = 2, note: Optional[str] = None, color: Color = Color.RED,
+         mode: Literal["fast", "slow"] = "fast", tags: list[str] = [], address: Optional[Address] = None) -> str:
+    """Book a hotel.
+
+    Args:
+        city: Where to stay.
+        nights (int): How many nights,
+            at least one.
+    """
+    return f"{city}:{nights}"
+
+
+def test_function_schema_carries_types_defaults_optional_enums_lists_and_nested_models():
+    t = Tool.from_function(book)
+    p = t.parameters
+    assert t.name == "book" and t.description == "Book a hotel."
+    assert p["required"] == ["city"]
+    props = p["properties"]
+    assert props["city"] == {"type": "string", "description": "Where to stay."}
+    assert props["nights"]["type"] == "integer" and props["nights"]["default"] == 2
+    assert props["nights"]["description"] == "How many nights, at least one."
+    assert {"type": "null"} in props["note"]["anyOf"]
+    assert props["mode"]["enum"] == ["fast", "slow"]
+    assert props["tags"]["type"] == "array" and props["tags"]["items"] == {"type": "string"}
+    assert "$defs" in p and set(p["$defs"]) == {"Address", "Color"}
+    assert p["$defs"]["Color"]["enum"] == ["red", "blue"]
+    assert "title" not in props["city"]
+
+
+def test_function_tool_validates_into_typed_values_and_invokes():
+    t = Tool.from_function(book)
+    call = t.make_call({"city": "Oslo", "address": {"street": "Main", "zip_code": 5}})
+    assert isinstance(call.value.address, Address) and call.value.nights == 2
+    assert t.invoke(call) == "Oslo:2"
+
+
+def test_invalid_arguments_name_the_tool_and_the_pointer():
+    t = Tool.from_function(book)
+    with pytest.raises(ToolCallError) as e:
+        t.make_call({"city": "Oslo", "address": {"street": "Main", "zip_code": "x"}})
+    assert e.value.tool == "book" and e.value.pointer == "/address/zip_code"
+    raw = Tool.from_schema("area", {"type": "object", "properties": {"r": {"type": "number", "minimum": 0}},
+                                    "required": ["r"]})
+    with pytest.raises(ToolCallError) as e:
+        raw.make_call({"r": -1})
+    assert e.value.pointer == "/r" and "minimum" in str(e.value)
+
+
+def test_pydantic_model_tool_returns_model_instances():
+    class Search(pydantic.BaseModel):
+        """Search the web."""
+        query: str
+        limit: int = 5
+
+    t = Tool.from_model(Search)
+    assert t.name == "Search" and t.description == "Search the web."
+    assert isinstance(t.make_call({"query": "x"}).value, Search)
+
+
+def test_openai_dict_and_bare_function_dict():
+    spec = {"type": "function", "function": {"name": "get_time", "description": "Time now.",
+                                             "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
+    t = Tool.from_openai(spec)
+    assert t.name == "get_time" and t.parameters["properties"]["tz"] == {"type": "string"}
+    assert Tool.from_openai(spec["function"]).name == "get_time"
+    assert t.to_openai()["function"]["name"] == "get_time"
+
+
+def test_duplicate_tool_names_rejected_and_registry_unchanged():
+    reg = ToolRegistry([book])
+    with pytest.raises(ToolError, match="duplicate tool name 'book'"):
+        reg.register(book)
+    assert reg.names == ["book"]
+
+
+def test_unknown_tool_lookup_names_the_tool():
+    reg = ToolRegistry([book])
+    with pytest.raises(ToolCallError, match="unknown tool 'nope'"):
+        reg.parse_call({"name": "nope", "arguments": {}})
+
+
+def test_schema_with_unknown_type_rejected_with_pointer():
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("bad", {"type": "objekt"})
+    assert e.value.keyword == "type" and e.value.pointer == "/type" and "bad" in str(e.value)
+
+
+def test_schema_using_not_rejected_strictly_with_pointer_and_advice():
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "not": {"const": 0}}}}
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("person", schema)
+    assert e.value.keyword == "not" and e.value.pointer == "/properties/age/not"
+    assert "strict=False" in str(e.value)
+    assert Tool.from_schema("person", schema, strict=False).strict is False
+
+
+def test_dangling_ref_names_the_pointer():
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("r", {"$ref": "#/defs/missing"})
+    assert e.value.keyword == "$ref" and "#/defs/missing" in str(e.value)
+
+
+def test_function_without_annotations_or_with_varargs_is_rejected():
+    def f(x):
+        return x
+
+    def g(*args: int):
+        return args
+
+    with pytest.raises(ToolError, match="no type annotation"):
+        Tool.from_function(f)
+    with pytest.raises(ToolError, match=r"\*args"):
+        Tool.from_function(g)
+
+
+def test_envelope_selects_arguments_schema_by_name():
+    reg = ToolRegistry([book, Tool.from_schema("area", {"type": "object", "properties": {"r": {"type": "number"}},
+                                                        "required": ["r"]})])
+    schema = call_schema(reg)
+    v = jsonschema.Draft202012Validator(schema)
+    assert v.is_valid({"name": "area", "arguments": {"r": 1.5}})
+    assert not v.is_valid({"name": "area", "arguments": {"city": "Oslo"}})  # book's arguments under area's name
+    assert v.is_valid({"name": "book", "arguments": {"city": "Oslo", "address": {"street": "a", "zip_code": 1}}})
+    assert not v.is_valid({"name": "book", "arguments": {"city": "Oslo", "address": {"street": "a"}}})  # $ref kept
+    assert not v.is_valid({"name": "other", "arguments": {}})
+
+
+def test_close_objects_only_closes_objects_that_say_nothing_about_extra_keys():
+    s = close_objects({"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
+                       "additionalProperties": True})
+    assert s["additionalProperties"] is True and s["properties"]["a"]["additionalProperties"] is False
+
+
+def test_bfcl_dialect_normalised_to_json_schema():
+    params = {"type": "dict", "properties": {
+        "x": {"type": "float"}, "t": {"type": "tuple", "items": {"type": "integer"}}, "a": {"type": "any"},
+        "flag": {"type": "boolean", "default": "false"}, "o": {"type": "string", "optional": True}},
+        "required": ["x", "missing"]}
+    s = normalize_schema(params)
+    assert s["type"] == "object" and s["properties"]["x"] == {"type": "number"}
+    assert s["properties"]["t"]["type"] == "array" and s["properties"]["a"] == {}
+    assert s["properties"]["flag"]["default"] is False and "optional" not in s["properties"]["o"]
+    assert s["required"] == ["x"]
+    jsonschema.Draft202012Validator.check_schema(s)
+
+
+def test_bfcl_java_values_become_code_strings():
+    fn = {"name": "Foo.bar", "description": "d", "parameters": {"type": "dict", "properties": {
+        "n": {"type": "long"}, "m": {"type": "HashMap"}}, "required": ["n"]}}
+    t = tool_from_bfcl(fn, code_strings=True)
+    assert t.parameters["properties"]["n"] == {"type": "string"} == t.parameters["properties"]["m"]
+    t.make_call({"n": "42L"})
