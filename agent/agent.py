@@ -31,10 +31,11 @@ class RunResult:
     Attributes:
         messages: the whole transcript as OpenAI-style message dicts (feed it to another run).
         tool_calls: every validated call in order, with its result.
-        final_answer: the model's text answer (None if the run ended on calls or was truncated).
+        final_answer: the model's text answer (None if the run ended on calls; cut short when ``truncated``).
         output: the validated ``response_format`` value (pydantic instance or dict), when one was asked for.
         pending_calls: calls of tools with no Python callable, returned for the caller to run.
-        truncated: a turn hit ``max_new_tokens``; its partial output is not returned as a call or answer.
+        truncated: a turn hit ``max_new_tokens``: a partial tool call is never returned; a partial text answer is
+            returned in ``final_answer``.
         stats: decode statistics summed over turns.
         steps: assistant turns decoded.
     """
@@ -129,7 +130,10 @@ class Agent:
             result.raw_turns.append(out.text)
             if out.truncated:
                 result.truncated = True
-                break
+                if not out.text.lstrip().startswith("<tool_call>"):  # a cut text answer is still an answer
+                    result.final_answer = out.text
+                    messages.append({"role": "assistant", "content": out.text})
+                break  # a cut tool call is never returned
             calls, answer = parse_turn(out.text)
             if calls is None:
                 messages.append({"role": "assistant", "content": answer})

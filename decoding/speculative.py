@@ -123,13 +123,20 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
             residual = p[j].clone()
             residual[d] = 0.0
         else:
-            residual = (p[j] - q.to(p.device)).clamp_min(0.0)
+            residual = (p[j] - _fit(q, p.shape[-1]).to(p.device)).clamp_min(0.0)
         total = float(residual.sum())
         residual = p[j] if total <= 0.0 else residual / total
         return j, sample(residual, generator)
     n = len(draft.tokens)
     bonus = sample(p[n], generator) if n < p.shape[0] and n < draft.rows else None
     return n, bonus
+
+
+def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
+    """A draft distribution over the target's vocabulary width (the mask forbids ids past either width)."""
+    if q.shape[-1] >= width:
+        return q[..., :width]
+    return torch.nn.functional.pad(q, (0, width - q.shape[-1]))
 
 
 def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintState, drafter: Drafter | None, *,
