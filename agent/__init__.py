@@ -1,4 +1,4 @@
 """The agent loop (top layer: may import schemas, constraints and decoding)."""
-from .agent import Agent, RunResult, ToolCallRecord
+from .agent import Agent, Event, RunResult, ToolCallRecord
 
-__all__ = ["Agent", "RunResult", "ToolCallRecord"]
+__all__ = ["Agent", "Event", "RunResult", "ToolCallRecord"]

@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
+import logging
+import queue
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import pydantic
 
 from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DecodeStats, Generator, LoadedModel, SamplingParams
-from schemas import Tool, ToolCall, ToolCallError, ToolError, ToolRegistry
+from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
-from .format import filter_tools, parse_turn, render_call_text, render_prompt, turn_grammar
+from .format import filter_tools, parse_turn, render_prompt, turn_grammar
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,10 +38,11 @@ class RunResult:
         final_answer: the model's text answer (None if the run ended on calls; cut short when ``truncated``).
         output: the validated ``response_format`` value (pydantic instance or dict), when one was asked for.
         pending_calls: calls of tools with no Python callable, returned for the caller to run.
-        truncated: a turn hit ``max_new_tokens``: a partial tool call is never returned; a partial text answer is
-            returned in ``final_answer``.
+        truncated: a turn hit its token budget: a partial tool call or structured output is never returned; a
+            partial text answer is returned in ``final_answer``.
         stats: decode statistics summed over turns.
         steps: assistant turns decoded.
+        raw_turns: each turn's decoded text, exactly.
     """
 
     messages: list[dict]
@@ -51,6 +56,24 @@ class RunResult:
     raw_turns: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Event:
+    """A streaming event from :meth:`Agent.stream`.
+
+    ``type`` is one of ``"token"`` (``text``: the new text), ``"tool_call_started"`` (``call``: ToolCall),
+    ``"tool_call_finished"`` (``record``: ToolCallRecord), ``"final_answer"`` (``text``, ``output``),
+    ``"stats"`` (``stats``: DecodeStats of the turn), ``"done"`` (``result``: RunResult).
+    """
+
+    type: str
+    text: str = ""
+    call: ToolCall | None = None
+    record: ToolCallRecord | None = None
+    output: Any = None
+    stats: DecodeStats | None = None
+    result: RunResult | None = None
+
+
 class Agent:
     """A tool-calling agent whose every tool call and structured output validates against its schema.
 
@@ -61,8 +84,10 @@ class Agent:
         drafter: ``none``, ``forced``, ``schema``, ``lookup`` (default) or ``draft_model``.
         num_draft_tokens: γ.
         max_steps: assistant turns per run.
-        strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them and validates.
+        strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
+            validates every output (failed calls are retried ``max_retries`` times with the error fed back).
         tool_timeout: seconds a tool may run before its call gets a timeout error (None: no limit).
+        parallel_tool_execution: run the calls of one turn concurrently when every tool is ``thread_safe``.
         max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded, so a small
             model cannot run away inside a string (None: no cap). Outputs stay schema-valid.
         max_decimals: grammar bound on numbers: at most this many decimals, no exponent, ``|x| <= 1e15``
@@ -73,12 +98,12 @@ class Agent:
                  drafter: str = DEFAULT_DRAFTER, num_draft_tokens: int = 4, adaptive: bool = False,
                  draft_model: Any = None, device: str = "cpu", dtype: str = "float32", max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
-                 max_string_length: int | None = None, max_decimals: int | None = None):
+                 parallel_tool_execution: bool = True, max_string_length: int | None = None,
+                 max_decimals: int | None = None):
         self.generator = model if isinstance(model, Generator) else Generator(
             model, drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             draft_model=draft_model, device=device, dtype=dtype)
-        if isinstance(model, Generator):
-            self.generator._check_drafter(drafter)
+        self.generator._check_drafter(drafter)
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.registry = ToolRegistry(strict=strict)
@@ -87,6 +112,7 @@ class Agent:
         self.max_steps = max_steps
         self.tool_timeout = tool_timeout
         self.max_retries = max_retries
+        self.parallel_tool_execution = parallel_tool_execution
         self.max_string_length = max_string_length
         self.max_decimals = max_decimals
 
@@ -98,56 +124,137 @@ class Agent:
         """Register one more tool (raises ToolError on duplicates, SchemaError on bad schemas)."""
         return self.registry.register(tool, strict=strict)
 
-    # -- the loop -------------------------------------------------------------------------------------------------
-    def run(self, prompt: str | list[dict], *, tool_choice: Any = "auto", max_new_tokens: int = 256,
-            max_steps: int | None = None, parallel_tool_calls: bool = True, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int | None = None, drafter: str | None = None,
-            num_draft_tokens: int | None = None) -> RunResult:
+    # -- public entry points -----------------------------------------------------------------------------------------
+    def run(self, prompt: str | list[dict], *, tool_choice: Any = "auto", response_format: Any = None,
+            max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
+            parallel_tool_calls: bool = True, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
         """Run the loop until a final answer, a call of a tool without a callable, or ``max_steps`` turns.
 
         Args:
             prompt: a user message, or OpenAI-style messages (user-supplied tool calls are validated).
             tool_choice: ``"auto"``, ``"required"``, ``"none"`` or ``{"name": ...}``, enforced by the grammar on
                 the first turn; later turns are ``"auto"`` (so a forced call cannot loop).
-            max_new_tokens: per-turn output budget.
+            response_format: a pydantic model class or a JSON Schema: the final answer is constrained to it and
+                returned validated in ``RunResult.output`` (a model instance, or the parsed JSON).
+            max_new_tokens: per-turn output budget (tokens).
+            max_total_tokens: budget over all turns of the run (tokens); None: no limit.
+            parallel_tool_calls: allow several calls in one turn.
+            temperature, top_p, seed: sampling (greedy when temperature is 0).
         Raises:
-            ToolCallError: a supplied message calls an unknown tool or has invalid arguments.
+            ToolCallError: a supplied message calls an unknown tool or has invalid arguments, or a decoded call of
+                a lenient tool still fails validation after ``max_retries`` retries.
+            SchemaError: ``response_format`` is not a valid, enforceable schema.
         """
+        return self._run(prompt, lambda event: None, tool_choice=tool_choice, response_format=response_format,
+                         max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, max_steps=max_steps,
+                         parallel_tool_calls=parallel_tool_calls, sampling=SamplingParams(temperature, top_p, seed),
+                         drafter=drafter, num_draft_tokens=num_draft_tokens)
+
+    def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
+        """Like :meth:`run`, but yields :class:`Event` objects as they happen (tokens, tool calls, answer, stats);
+        the last event is ``"done"`` with the :class:`RunResult`. Exceptions are re-raised in the caller."""
+        q: queue.Queue = queue.Queue()
+        sentinel = object()
+
+        def work():
+            try:
+                sampling = SamplingParams(kwargs.pop("temperature", 0.0), kwargs.pop("top_p", 1.0),
+                                          kwargs.pop("seed", None))
+                result = self._run(prompt, q.put, sampling=sampling, **kwargs)
+                q.put(Event("done", result=result))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                q.put(e)
+            finally:
+                q.put(sentinel)
+
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        while True:
+            item = q.get()
+            if item is sentinel:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        thread.join()
+
+    def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, **kwargs) -> list[RunResult]:
+        """Run many prompts; results in input order. ``max_workers > 1`` runs them on threads (each run has its
+        own KV cache and grammar state; weights are shared read-only)."""
+        if max_workers <= 1:
+            return [self.run(p, **kwargs) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+            return list(pool.map(lambda p: self.run(p, **kwargs), prompts))
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def _run(self, prompt, emit: Callable[[Event], None], *, tool_choice: Any = "auto", response_format: Any = None,
+             max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
+             parallel_tool_calls: bool = True, sampling: SamplingParams = SamplingParams(),
+             drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
         messages = self._initial_messages(prompt)
+        response = None if response_format is None else ResponseFormat(response_format)
         result = RunResult(messages=messages)
-        sampling = SamplingParams(temperature, top_p, seed)
         choice = tool_choice
+        retries = 0
         for _ in range(self.max_steps if max_steps is None else max_steps):
+            budget = max_new_tokens
+            if max_total_tokens is not None:
+                budget = min(budget, max_total_tokens - result.stats.new_tokens)
+                if budget <= 0:
+                    result.truncated = True
+                    break
             tools, mode = filter_tools(self.registry, choice)
             grammar = turn_grammar(tools, mode, parallel=parallel_tool_calls,
+                                   response_format=response.schema if response else None,
                                    max_string_length=self.max_string_length, max_decimals=self.max_decimals)
             ids = render_prompt(self.tokenizer, messages, list(self.registry))
-            out = self.generator.generate(ids, grammar, max_new_tokens=max_new_tokens, sampling=sampling,
+            out = self.generator.generate(ids, grammar, max_new_tokens=budget, sampling=sampling,
                                           drafter=drafter or self.drafter,
-                                          num_draft_tokens=num_draft_tokens or self.num_draft_tokens)
+                                          num_draft_tokens=num_draft_tokens or self.num_draft_tokens,
+                                          on_text=(lambda text: emit(Event("token", text=text))))
             result.stats = result.stats + out.stats
             result.steps += 1
             result.raw_turns.append(out.text)
+            emit(Event("stats", stats=out.stats))
+            logger.info("turn %d: %d tokens, %.2f tokens/forward, acceptance %.2f, %d forced, stop=%s",
+                        result.steps, out.stats.new_tokens, out.stats.tokens_per_forward,
+                        out.stats.acceptance_rate, out.stats.forced, out.stop_reason)
+            is_call = mode != "none" and out.text.lstrip().startswith("<tool_call>")
             if out.truncated:
                 result.truncated = True
-                if not out.text.lstrip().startswith("<tool_call>"):  # a cut text answer is still an answer
+                if not is_call and response is None:  # a cut text answer is still an answer
                     result.final_answer = out.text
                     messages.append({"role": "assistant", "content": out.text})
-                break  # a cut tool call is never returned
-            calls, answer = parse_turn(out.text)
-            if calls is None:
-                messages.append({"role": "assistant", "content": answer})
-                result.final_answer = answer
+                break  # a cut tool call or structured output is never returned
+            if not is_call:
+                messages.append({"role": "assistant", "content": out.text})
+                result.final_answer = out.text
+                if response is not None:
+                    result.output = response.validate(json.loads(out.text))
+                emit(Event("final_answer", text=out.text, output=result.output))
                 break
-            validated = [self.registry.parse_call(c) for c in calls]
+            calls, _ = parse_turn(out.text)
+            try:
+                validated = [self.registry.parse_call(c) for c in calls]
+            except ToolCallError as e:  # possible only for lenient tools: the grammar relaxed some keyword
+                if retries >= self.max_retries:
+                    raise ToolCallError(f"decoded call still invalid after {retries} retries: {e}",
+                                        tool=e.tool, pointer=e.pointer) from None
+                retries += 1
+                messages.append({"role": "assistant", "content": out.text})
+                messages.append({"role": "user", "content": f"That tool call is invalid: {e}. Call it again with "
+                                                            f"valid arguments."})
+                continue
             messages.append({"role": "assistant", "content": None,
                              "tool_calls": [c.to_openai() for c in validated]})
+            for c in validated:
+                emit(Event("tool_call_started", call=c))
             runnable = [c for c in validated if self.registry.get(c.name).fn is not None]
-            if len(runnable) < len(validated):
-                result.pending_calls = [c for c in validated if c not in runnable]
-            records = self._run_tools(runnable)
-            for rec in records:
+            result.pending_calls = [c for c in validated if self.registry.get(c.name).fn is None]
+            for rec in self._run_tools(runnable):
                 result.tool_calls.append(rec)
+                emit(Event("tool_call_finished", record=rec))
                 content = {"error": rec.error} if rec.error else rec.result
                 messages.append({"role": "tool", "tool_call_id": rec.call.id, "name": rec.call.name,
                                  "content": _to_json_text(content)})
@@ -156,26 +263,32 @@ class Agent:
             choice = "auto"
         return result
 
+    def _run_one(self, call: ToolCall) -> ToolCallRecord:
+        tool = self.registry.get(call.name)
+        rec = ToolCallRecord(call)
+        try:
+            if self.tool_timeout is None:
+                rec.result = tool.invoke(call)
+            else:
+                pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+                try:
+                    rec.result = pool.submit(tool.invoke, call).result(timeout=self.tool_timeout)
+                finally:
+                    pool.shutdown(wait=False, cancel_futures=True)
+        except concurrent.futures.TimeoutError:
+            rec.error = f"tool {call.name!r} timed out after {self.tool_timeout} s"
+        except Exception as e:  # the error goes back to the model as the tool result
+            rec.error = f"{type(e).__name__}: {e}"
+        return rec
+
     def _run_tools(self, calls: list[ToolCall]) -> list[ToolCallRecord]:
-        records = []
-        for call in calls:
-            tool = self.registry.get(call.name)
-            rec = ToolCallRecord(call)
-            try:
-                if self.tool_timeout is None:
-                    rec.result = tool.invoke(call)
-                else:
-                    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-                    try:
-                        rec.result = pool.submit(tool.invoke, call).result(timeout=self.tool_timeout)
-                    finally:
-                        pool.shutdown(wait=False, cancel_futures=True)
-            except concurrent.futures.TimeoutError:
-                rec.error = f"tool {call.name!r} timed out after {self.tool_timeout} s"
-            except Exception as e:  # the error goes back to the model as the tool result
-                rec.error = f"{type(e).__name__}: {e}"
-            records.append(rec)
-        return records
+        """Run calls; concurrently when allowed and every tool is thread-safe. Results keep the calls' order."""
+        concurrent_ok = (self.parallel_tool_execution and len(calls) > 1
+                         and all(self.registry.get(c.name).thread_safe for c in calls))
+        if not concurrent_ok:
+            return [self._run_one(c) for c in calls]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return list(pool.map(self._run_one, calls))
 
     def _initial_messages(self, prompt: str | list[dict]) -> list[dict]:
         if isinstance(prompt, str):

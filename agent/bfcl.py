@@ -7,8 +7,9 @@ Scoring follows BFCL's AST checker (``bfcl_eval/eval_checker/ast_eval/ast_checke
     * strings compare after BFCL's standardisation (lower-case; spaces and ``,./-_*^`` removed);
     * an int is accepted where a float is expected (BFCL's auto-conversion for Python), lists compare element-wise,
       dicts recursively with the same rules, tuples as lists.
-    * Java/JavaScript (``code_strings``): values are source-code strings; they are compared as strings after the
-      same standardisation, and a ground-truth value that is not a string is compared with its JSON/str form.
+    * Java/JavaScript (``code_strings``): ``any`` parameters are source-code strings; a string value and a typed
+      ground-truth value (or the reverse) match when the string equals the typed value's JSON or ``str`` form after
+      the same standardisation (``"true"`` ~ ``true``, ``"50"`` ~ ``50``).
 """
 from __future__ import annotations
 
@@ -53,11 +54,10 @@ def _std(s: str) -> str:
 
 def value_matches(value: Any, expected: Any, code_strings: bool = False) -> bool:
     """One model value against one acceptable ground-truth value."""
-    if code_strings:
-        if isinstance(expected, str):
-            return isinstance(value, str) and _std(value) == _std(expected)
-        if isinstance(value, str):
-            return _std(value) in (_std(json.dumps(expected)), _std(str(expected)))
+    if code_strings and isinstance(expected, str) != isinstance(value, str):
+        # Java/JS: a value may come as code ("true", "50", "[1, 2]") where the truth is typed, or the reverse
+        code, typed = (value, expected) if isinstance(value, str) else (expected, value)
+        return _std(code) in (_std(json.dumps(typed)), _std(str(typed)))
     if isinstance(expected, bool) or isinstance(value, bool):
         return isinstance(value, bool) and isinstance(expected, bool) and value == expected
     if isinstance(expected, float) and isinstance(value, (int, float)):

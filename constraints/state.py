@@ -65,6 +65,10 @@ class ConstraintState:
         """llguidance's fast-forward tokens: the canonical tokenisation of the bytes the grammar forces next."""
         return self.matcher.compute_ff_tokens()
 
+    def ff_bytes(self) -> bytes:
+        """The bytes the grammar forces next (may be non-empty where several tokenisations exist)."""
+        return self.matcher.compute_ff_bytes()
+
     # -- advancing -----------------------------------------------------------------------------------------------
     def consume(self, token: int) -> None:
         """Advance by one token. Raises :class:`ConstraintError` (state unchanged) if the grammar forbids it."""

@@ -7,6 +7,7 @@ Loop invariant (as in gpt-fast): the KV cache holds every token but the last one
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats) -> int:
 
 def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
            sampling: SamplingParams = SamplingParams(), eos_token_id: int | None = None,
-           tokenizer=None) -> DecodeResult:
+           tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Constrained decoding, one token per forward.
 
     Args:
@@ -43,6 +44,7 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
         sampling: greedy when ``temperature == 0``.
         eos_token_id: defaults to the grammar tokenizer's EOS.
         tokenizer: HF tokenizer for ``text`` (None: llguidance's decoder).
+        on_step: called with the output tokens so far after each emitted token (streaming).
 
     Returns:
         :class:`DecodeResult`; stops at EOS (allowed only when the grammar accepts) or when the grammar is complete.
@@ -76,6 +78,8 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
         state.consume(tok)
         tokens.append(tok)
         cur = tok
+        if on_step is not None:
+            on_step(tokens)
     stats.new_tokens = len(tokens)
     stats.mask_seconds = state.mask_seconds - mask0
     stats.seconds = time.perf_counter() - t_start

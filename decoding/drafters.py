@@ -42,14 +42,17 @@ class Drafter(Protocol):
 
 
 class SchemaDrafter:
-    """Proposes llguidance's fast-forward tokens: the canonical tokenisation of bytes the grammar forces next
-    (e.g. ``","`` + the next property name). Where the mask allows several tokens (``{`` and ``{"``), the target
-    decides; these proposals are verified like any draft."""
+    """Proposes the canonical tokenisation of the bytes the grammar forces next (llguidance's fast-forward bytes),
+    e.g. ``' "'`` after ``"city":`` where the mask also allows ``' '`` + ``'"'`` and ``' "Paris'``-like merges.
+    The target decides: these proposals are verified like any draft."""
 
     name = "schema"
 
     def propose(self, tokens, state, bitmask_row, sampling, generator):
         ff = state.ff_tokens()
+        if not ff:
+            forced = state.ff_bytes()
+            ff = state.tokenizer.tokenize_bytes(forced) if forced else []
         if ff and is_allowed_row(bitmask_row, ff[0]):
             return ff[0], None
         return None

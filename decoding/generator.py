@@ -90,16 +90,48 @@ class Generator:
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
-                 num_draft_tokens: int | None = None, adaptive: bool | None = None) -> DecodeResult:
-        """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place)."""
+                 num_draft_tokens: int | None = None, adaptive: bool | None = None,
+                 on_text: Callable[[str], None] | None = None) -> DecodeResult:
+        """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place).
+
+        Args:
+            on_text: called with each new piece of decoded text as tokens are committed (streaming).
+        """
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = drafter or self.drafter
         target = CausalLM(self.loaded)
+        on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
         if mode == "none":
-            return decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
-                          tokenizer=self.tokenizer)
-        return speculative_decode(
-            target, prompt, state, self.make_drafter(mode),
-            num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
-            max_new_tokens=max_new_tokens, sampling=sampling,
-            adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer)
+            result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
+                            tokenizer=self.tokenizer, on_step=on_step)
+        else:
+            result = speculative_decode(
+                target, prompt, state, self.make_drafter(mode),
+                num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+                max_new_tokens=max_new_tokens, sampling=sampling,
+                adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer, on_step=on_step)
+        if on_step is not None:
+            on_step.finish(result.text)
+        return result
+
+
+class _TextDeltas:
+    """Turns "tokens so far" callbacks into new-text callbacks (holds back an incomplete UTF-8 character)."""
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]):
+        self.tokenizer = tokenizer
+        self.emit = emit
+        self.sent = ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        if text.endswith("\ufffd"):
+            return
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text
+
+    def finish(self, text: str) -> None:
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.emit(text[len(self.sent):])
+            self.sent = text

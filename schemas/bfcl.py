@@ -29,9 +29,9 @@ def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = Tru
     """Return a JSON Schema for a BFCL ``parameters`` node (input unchanged).
 
     Args:
-        code_strings: Java/JavaScript categories, where BFCL's values are source-code strings: the root stays an
-            object and every parameter becomes ``{"type": "string"}`` (keeping description and enum), whatever its
-            declared type (``HashMap``, ``Array``, ``dict``… values are code too).
+        code_strings: Java/JavaScript categories, where BFCL's values are often source-code expressions
+            (``"mapController"``, ``"new Path('/x')"``): an ``any`` (or empty) type becomes ``{"type": "string"}``
+            instead of no constraint; declared types (``Boolean``, ``String``, ``long``, ``HashMap``…) map as usual.
     """
     if not isinstance(node, dict):
         return node
@@ -42,16 +42,9 @@ def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = Tru
     if isinstance(t, str):
         key = t.strip().lower()
         if key in _ANY:
-            t = None
+            t = "string" if code_strings and not _root else None
         elif key in _TYPE_MAP:
             t = _TYPE_MAP[key]
-    if code_strings and not _root:
-        out["type"] = "string"
-        if "description" in node:
-            out["description"] = node["description"]
-        if isinstance(node.get("enum"), list):
-            out["enum"] = [v if isinstance(v, str) else str(v) for v in node["enum"]]
-        return out
     if t is not None:
         out["type"] = t
     for k, v in node.items():

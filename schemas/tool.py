@@ -198,6 +198,47 @@ class Tool:
                                strict=strict)
 
 
+class ResponseFormat:
+    """A structured final answer: a pydantic model class or a JSON Schema (any JSON type at the root).
+
+    Attributes:
+        schema: the JSON Schema the grammar enforces.
+    Raises (constructor):
+        SchemaError: invalid or (strict) unenforceable schema, naming keyword and pointer.
+    """
+
+    def __init__(self, spec: Any, *, strict: bool = True):
+        self.model = spec if isinstance(spec, type) and issubclass(spec, pydantic.BaseModel) else None
+        if self.model is not None:
+            self.schema = _clean_pydantic_schema(self.model.model_json_schema())
+        elif isinstance(spec, (dict, bool)):
+            self.schema = copy.deepcopy(spec)
+        else:
+            raise ToolError(f"response_format must be a pydantic model class or a JSON Schema, got "
+                            f"{type(spec).__name__}")
+        check_valid(self.schema, tool="response_format")
+        if strict:
+            check_enforceable(self.schema, tool="response_format")
+        self._validator = None if self.model else validator_class(self.schema)(self.schema)
+
+    def validate(self, value: Any) -> Any:
+        """The validated answer: a model instance or the JSON value. Raises ToolCallError naming the pointer."""
+        if self.model is not None:
+            try:
+                return self.model.model_validate(value)
+            except pydantic.ValidationError as e:
+                err = e.errors()[0]
+                pointer = json_pointer(err["loc"])
+                raise ToolCallError(f"response at {pointer or '/'} is invalid: {err['msg']}",
+                                    pointer=pointer) from None
+        errors = sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))
+        if errors:
+            pointer = json_pointer(errors[0].absolute_path)
+            raise ToolCallError(f"response at {pointer or '/'} fails keyword {errors[0].validator!r}: "
+                                f"{errors[0].message}", pointer=pointer)
+        return value
+
+
 def as_tool(obj: Any, *, strict: bool = True) -> Tool:
     """Coerce a function, pydantic model class, OpenAI dict or :class:`Tool` into a :class:`Tool`.
 

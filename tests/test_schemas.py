@@ -168,9 +168,12 @@ def test_bfcl_dialect_normalised_to_json_schema():
     jsonschema.Draft202012Validator.check_schema(s)
 
 
-def test_bfcl_java_values_become_code_strings():
+def test_bfcl_java_any_becomes_a_code_string_and_java_types_map():
     fn = {"name": "Foo.bar", "description": "d", "parameters": {"type": "dict", "properties": {
-        "n": {"type": "long"}, "m": {"type": "HashMap"}}, "required": ["n"]}}
+        "n": {"type": "long"}, "m": {"type": "HashMap"}, "c": {"type": "any"}, "b": {"type": "Boolean"}},
+        "required": ["n"]}}
     t = tool_from_bfcl(fn, code_strings=True)
-    assert t.parameters["properties"]["n"] == {"type": "string"} == t.parameters["properties"]["m"]
-    t.make_call({"n": "42L"})
+    props = t.parameters["properties"]
+    assert props["n"] == {"type": "integer"} and props["m"] == {"type": "object"} and props["b"] == {"type": "boolean"}
+    assert props["c"] == {"type": "string"}
+    t.make_call({"n": 42, "c": "new Path('/x')"})

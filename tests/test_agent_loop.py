@@ -1,0 +1,197 @@
+"""agent/: multi-step and parallel calls, tool_choice, response_format, streaming, threads, timeouts.
+
+The loop is driven by a scripted generator that writes a chosen text token by token *through the turn grammar*
+(so a script the grammar forbids fails the test), plus the tiny random model where the model's choice is irrelevant.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pydantic
+import pytest
+
+from agent import Agent
+from constraints import ConstraintState
+from decoding import DecodeResult, DecodeStats, Generator
+
+
+class ScriptedGenerator(Generator):
+    """A Generator whose turn texts come from ``script(messages_text) -> str``, checked against the grammar."""
+
+    def __init__(self, loaded, script):
+        super().__init__(loaded, drafter="none")
+        self.script = script
+        self.prompts: list[str] = []
+
+    def generate(self, prompt, grammar, *, max_new_tokens=256, on_text=None, **kw):
+        text_prompt = self.tokenizer.decode(prompt)
+        self.prompts.append(text_prompt)
+        text = self.script(text_prompt)
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        state = ConstraintState(self.llg_tokenizer, grammar)
+        state.consume_many(tokens)  # raises if the grammar forbids the scripted text
+        assert state.is_accepting(), f"scripted turn {text!r} is incomplete under the grammar"
+        for i in range(1, len(tokens) + 1):
+            if on_text:
+                on_text(self.tokenizer.decode(tokens[i - 1:i]))
+        stats = DecodeStats(new_tokens=len(tokens), target_forwards=len(tokens))
+        return DecodeResult(tokens, text, "eos", stats)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def square(x: int) -> int:
+    """Square an integer."""
+    return x * x
+
+
+def slow(x: int) -> int:
+    """Sleep for a while."""
+    time.sleep(5)
+    return x
+
+
+def two_step_script(prompt: str) -> str:
+    if "<|im_start|>tool" not in prompt:
+        return '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'
+    if prompt.count("<|im_start|>tool") == 1:
+        result = int(prompt.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0])
+        return '<tool_call>[{"name": "square", "arguments": {"x": %d}}]</tool_call>' % result
+    return "The answer is " + prompt.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] + "."
+
+
+def test_two_step_run_feeds_the_first_result_into_the_second_call(tiny_target):
+    gen = ScriptedGenerator(tiny_target, two_step_script)
+    res = Agent(gen, [add, square], drafter="none").run("square of 2+3?")
+    assert [(r.call.name, r.call.arguments, r.result) for r in res.tool_calls] == [
+        ("add", {"a": 2, "b": 3}, 5), ("square", {"x": 5}, 25)]
+    assert res.final_answer == "The answer is 25."
+    assert [m["role"] for m in res.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert res.steps == 3
+    # the transcript can be fed to another run (its tool calls validate)
+    Agent(gen, [add, square], drafter="none").run(res.messages + [{"role": "user", "content": "again"}],
+                                                  max_steps=1)
+
+
+def test_parallel_calls_in_one_turn_run_concurrently_and_keep_order(tiny_target):
+    seen = []
+    barrier = threading.Barrier(2, timeout=5)
+
+    def a(n: int) -> int:
+        """A."""
+        barrier.wait()  # both calls must be running at the same time
+        seen.append("a")
+        return n
+
+    def b(n: int) -> int:
+        """B."""
+        barrier.wait()
+        seen.append("b")
+        return -n
+
+    script = lambda p: ('<tool_call>[{"name": "b", "arguments": {"n": 1}}, {"name": "a", "arguments": {"n": 2}}]'
+                        '</tool_call>') if "<|im_start|>tool" not in p else "done"
+    res = Agent(ScriptedGenerator(tiny_target, script), [a, b], drafter="none").run("go")
+    assert [(r.call.name, r.result) for r in res.tool_calls] == [("b", -1), ("a", 2)]
+    tool_msgs = [m for m in res.messages if m["role"] == "tool"]
+    assert [m["name"] for m in tool_msgs] == ["b", "a"] and sorted(seen) == ["a", "b"]
+
+
+def test_parallel_calls_are_refused_by_the_grammar_when_disabled(tiny_target):
+    script = lambda p: '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 1}}, {"name": "add", ' \
+                       '"arguments": {"a": 1, "b": 2}}]</tool_call>'
+    agent = Agent(ScriptedGenerator(tiny_target, script), [add], drafter="none")
+    with pytest.raises(Exception, match="not allowed"):
+        agent.run("go", parallel_tool_calls=False)
+
+
+CALL_ADD = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 1}}]</tool_call>'
+
+
+@pytest.mark.parametrize("choice,text,outcome", [
+    ("auto", "Hello there.", "text"),
+    ("auto", CALL_ADD, "call"),
+    ("required", "Hello there.", "refused"),
+    ("none", CALL_ADD, "text"),  # "none": whatever the text says, it is an answer, never a call
+    ({"name": "square"}, CALL_ADD, "refused"),
+    ({"name": "square"}, '<tool_call>[{"name": "square", "arguments": {"x": 3}}]</tool_call>', "call"),
+])
+def test_tool_choice_is_enforced_by_the_grammar(tiny_target, choice, text, outcome):
+    agent = Agent(ScriptedGenerator(tiny_target, lambda p: text), [add, square], drafter="none")
+    if outcome == "refused":
+        with pytest.raises(Exception, match="not allowed"):
+            agent.run("go", tool_choice=choice, max_steps=1)
+        return
+    res = agent.run("go", tool_choice=choice, max_steps=1)
+    assert bool(res.tool_calls) == (outcome == "call")
+    assert (res.final_answer == text) == (outcome == "text")
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+    celsius: float
+
+
+def test_pydantic_response_format_returns_a_validated_instance(tiny_target):
+    script = lambda p: '{"city": "Oslo", "celsius": 4.5}'
+    res = Agent(ScriptedGenerator(tiny_target, script), [add], drafter="none").run(
+        "weather?", response_format=Weather)
+    assert res.output == Weather(city="Oslo", celsius=4.5)
+
+
+def test_response_format_is_enforced_on_the_real_decoder(tiny_target):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    res = Agent(Generator(tiny_target), [add]).run("x", tool_choice="none", response_format=schema,
+                                                   max_new_tokens=40)
+    assert set(res.output) == {"ok", "n"} and json.loads(res.final_answer) == res.output
+
+
+def test_streaming_yields_tokens_calls_results_answer_stats_in_order(tiny_target):
+    gen = ScriptedGenerator(tiny_target, two_step_script)
+    events = list(Agent(gen, [add, square], drafter="none").stream("square of 2+3?"))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "done" and kinds[-2] == "final_answer"
+    first_start = kinds.index("tool_call_started")
+    assert "token" in kinds[:first_start] and kinds.index("tool_call_finished") > first_start
+    text = "".join(e.text for e in events[:first_start] if e.type == "token")
+    assert text == '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'
+    finished = [e.record.result for e in events if e.type == "tool_call_finished"]
+    assert finished == [5, 25] and events[-1].result.final_answer == "The answer is 25."
+    assert kinds.count("stats") == 3
+
+
+def test_streaming_reraises_errors(tiny_target):
+    agent = Agent(ScriptedGenerator(tiny_target, lambda p: "x"), [add], drafter="none")
+    with pytest.raises(Exception, match="unknown tool"):
+        list(agent.stream([{"role": "assistant", "tool_calls": [{"function": {"name": "nope", "arguments": {}}}]}]))
+
+
+def test_tool_that_hangs_past_its_timeout_gets_a_timeout_error(tiny_target):
+    script = lambda p: '<tool_call>[{"name": "slow", "arguments": {"x": 1}}]</tool_call>' \
+        if "<|im_start|>tool" not in p else "gave up"
+    agent = Agent(ScriptedGenerator(tiny_target, script), [slow], drafter="none", tool_timeout=0.2)
+    t0 = time.perf_counter()
+    res = agent.run("go")
+    assert time.perf_counter() - t0 < 3
+    assert res.tool_calls[0].error == "tool 'slow' timed out after 0.2 s" and res.final_answer == "gave up"
+
+
+def test_total_token_budget_stops_the_run(tiny_target):
+    gen = ScriptedGenerator(tiny_target, two_step_script)
+    res = Agent(gen, [add, square], drafter="none").run("go", max_total_tokens=30)
+    assert res.truncated and res.stats.new_tokens <= 30 + 40
+
+
+def test_sixteen_threads_match_sequential_runs(tiny_target):
+    agent = Agent(Generator(tiny_target), [add, square], max_string_length=8)
+    prompts = [f"prompt number {i}: add {i} and {i + 1}" for i in range(16)]
+    sequential = [agent.run(p, tool_choice="required", max_new_tokens=40, max_steps=1).raw_turns for p in prompts]
+    threaded = agent.run_batch(prompts, max_workers=16, tool_choice="required", max_new_tokens=40, max_steps=1)
+    assert [r.raw_turns for r in threaded] == sequential
