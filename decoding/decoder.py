@@ -18,17 +18,19 @@ from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import DecodeResult, DecodeStats
 
 
-def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats) -> int:
-    """Fill the cache with ``prompt[:-1]``; returns ``cur = prompt[-1]`` (not yet fed)."""
+def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):
+    """Fill the cache with ``prompt[:-1]``; returns ``cur = prompt[-1]`` (not yet fed), or with ``hidden=True``
+    ``(cur, last-layer hidden states float [len(prompt) - 1, d])``."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     t0 = time.perf_counter()
     target.reset()
+    h = None
     if len(prompt) > 1:
-        target.forward(prompt[:-1], num_logits=1)
+        _, h = target.forward(prompt[:-1], num_logits=1, hidden=hidden)
     stats.prompt_tokens += len(prompt)
     stats.prefill_seconds += time.perf_counter() - t0
-    return prompt[-1]
+    return (prompt[-1], h) if hidden else prompt[-1]
 
 
 def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,

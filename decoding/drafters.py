@@ -141,6 +141,13 @@ class ChainDrafter:
     def __init__(self, drafters: list):
         self.drafters = list(drafters)
         self.name = "+".join(d.name for d in self.drafters)
+        self.needs_hidden = any(getattr(d, "needs_hidden", False) for d in self.drafters)
+
+    def observe(self, hidden, next_tokens, start) -> None:
+        """Pass the target's hidden states to the members that use them (MTP)."""
+        for d in self.drafters:
+            if getattr(d, "needs_hidden", False):
+                d.observe(hidden, next_tokens, start)
 
     def propose(self, tokens, state, bitmask_row, sampling, generator):
         for d in self.drafters:

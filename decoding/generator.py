@@ -6,6 +6,7 @@ Drafting modes (``drafter=``):
     ``schema``       forced + llguidance fast-forward tokens proposed as drafts.
     ``lookup``       forced + fast-forward + prompt lookup (the default).
     ``draft_model``  forced + fast-forward + a smaller draft model with the same tokenizer.
+    ``mtp``          forced + fast-forward + the model's trained MTP head (``decoding/mtp.py``).
 
 Each ``generate`` call builds its own KV caches and drafter state, so one Generator serves several threads.
 """
@@ -20,11 +21,12 @@ from .decoder import decode
 from .drafters import ChainDrafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM
+from .mtp import MTPDrafter, load_head
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model")
+DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model", "mtp")
 DEFAULT_DRAFTER = "lookup"
 
 
@@ -52,6 +54,8 @@ class Generator:
         self.adaptive = adaptive
         self._draft_spec = draft_model
         self._draft_loaded: LoadedModel | None = None
+        self._mtp_head = None
+        self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
         self.custom_drafters: dict[str, Callable[[], Any]] = {}
 
@@ -77,6 +81,13 @@ class Generator:
                     raise ValueError("the draft model's tokenizer differs from the target's")
             return self._draft_loaded
 
+    def mtp_head(self):
+        """The model's MTP head (loaded once; raises FileNotFoundError / MTPError when none fits)."""
+        with self._lock:
+            if self._mtp_head is None:
+                self._mtp_head, _ = load_head(self.loaded, self.mtp_checkpoint)
+            return self._mtp_head
+
     def make_drafter(self, name: str):
         """A fresh drafter object for mode ``name`` (None for ``none`` / ``forced``)."""
         self._check_drafter(name)
@@ -86,6 +97,8 @@ class Generator:
             return SchemaDrafter()
         if name == "lookup":
             return ChainDrafter([SchemaDrafter(), PromptLookupDrafter()])
+        if name == "mtp":
+            return ChainDrafter([SchemaDrafter(), MTPDrafter(self.mtp_head())])
         return ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(self._draft_model()))])
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,

@@ -172,7 +172,13 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     if drafter is not None:
         drafter.reset()
     bitmask = allocate_bitmask(max_window + 1, target.vocab_size)
-    cur = prefill(target, prompt, stats)
+    needs_hidden = bool(getattr(drafter, "needs_hidden", False))  # an MTP head is seeded with target states
+    if needs_hidden:
+        cur, h = prefill(target, prompt, stats, hidden=True)
+        if h is not None:
+            drafter.observe(h, prompt[1:], 0)
+    else:
+        cur = prefill(target, prompt, stats)
     seq = list(prompt)
     tokens: list[int] = []
     gamma = num_draft_tokens
@@ -191,7 +197,7 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         # -- verify: one target forward over [cur, d1 … dk] (a trailing EOS needs no logits after it) -----------
         base = target.length
         inputs = [cur] + draft.tokens[:consumed]
-        logits, _ = target.forward(inputs)
+        logits, hidden = target.forward(inputs, hidden=needs_hidden)
         stats.target_forwards += 1
         n_rows = min(draft.rows, logits.shape[0])
         masked = apply_bitmask(logits[:n_rows].clone(), bitmask[:n_rows])
@@ -236,6 +242,8 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         tokens.append(bonus)
         seq.append(bonus)
         target.crop(base + 1 + n)  # keep cur + accepted drafts; bonus becomes the new cur
+        if needs_hidden:  # the verify forward's states of cur + accepted drafts seed the next draft round
+            drafter.observe(hidden[: n + 1], accepted + [bonus], base)
         cur = bonus
         if on_step is not None:
             on_step(tokens)

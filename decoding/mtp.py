@@ -1,0 +1,233 @@
+"""Multi-token-prediction (MTP) head and drafter: a light head on the frozen target drafts the next tokens.
+
+The head is DeepSeek-V3's depth-1 MTP module (arXiv 2412.19437, §2.2): for position i it takes the target's
+last-layer hidden state h_i and the embedding of the next token x_{i+1},
+
+    g_i = Block( W_proj [ RMSNorm(h_i) ‖ RMSNorm(Emb(x_{i+1})) ] ),   logits_i = LMHead(FinalNorm(g_i)) ≈ p(x_{i+2})
+
+where Block is one transformer layer of the target's own architecture (a ``LlamaDecoderLayer`` with the target's
+config) and Emb, FinalNorm and LMHead are the target's own modules, shared and frozen (not copied). Drafting γ > 1
+tokens reuses the head recurrently, as Google LiteRT-LM's MTP drafter feeds back its projected activations: where
+the target's h_j is not known yet (a drafted position) the head's own output g_{j-1} stands in for it.
+
+The head keeps a small KV cache for its one block, position-aligned with the sequence; after every verification
+the target's hidden states of the accepted positions (taken from the verify forward: no extra target forward)
+replace the head's drafted stand-ins.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from constraints import allowed_tokens, apply_bitmask
+
+from .loader import LoadedModel
+from .sampling import probs_from_logits, sample
+
+DEFAULT_CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+class MTPError(ValueError):
+    """An MTP checkpoint does not fit the target model (wrong sha256 or shapes)."""
+
+
+class MTPHead(nn.Module):
+    """The MTP module. Trainable: ``hidden_norm``, ``embed_norm``, ``proj`` and ``block``; shared (frozen, not
+    registered as parameters): the target's token embedding, final norm and LM head.
+
+    Args:
+        target: the target ``LlamaForCausalLM``-style model (``model.embed_tokens``, ``model.norm``, ``lm_head``).
+    """
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        cfg = target.config
+        d = cfg.hidden_size
+        self.hidden_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+        self.embed_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        block_cfg = cfg.__class__.from_dict(cfg.to_dict())
+        block_cfg._attn_implementation = "sdpa"
+        self.block = LlamaDecoderLayer(block_cfg, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(block_cfg)
+        self.__dict__["_target"] = target  # shared, not a submodule: never saved, never trained, never copied
+        with torch.no_grad():
+            nn.init.normal_(self.proj.weight, std=0.02)
+
+    @property
+    def target(self) -> nn.Module:
+        return self.__dict__["_target"]
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
+                cache: Any = None) -> torch.Tensor:
+        """Head states for ``T`` positions.
+
+        Args:
+            hidden: ``float [B, T, d]`` target (or recurrent head) hidden states h_i.
+            next_tokens: ``int64 [B, T]`` tokens x_{i+1}.
+            position_ids: ``int64 [B, T]`` positions i.
+            cache: a one-layer ``DynamicCache`` holding earlier positions (None: no cache).
+        Returns:
+            ``float [B, T, d]`` head outputs g_i (before the final norm).
+        """
+        emb = self.target.get_input_embeddings()(next_tokens)
+        x = self.proj(torch.cat([self.hidden_norm(hidden), self.embed_norm(emb)], dim=-1))
+        past = 0 if cache is None else cache.get_seq_length()
+        t = x.shape[1]
+        # causal over [cached positions | new positions] (explicit: SDPA's is_causal aligns top-left)
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)[None, None]
+        pos_emb = self.rotary(x, position_ids)
+        return self.block(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                          use_cache=cache is not None, position_embeddings=pos_emb)
+
+    def logits(self, g: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``float [..., V]`` logits of head states, or ``[..., n]`` for ``token_ids`` only (mask-sparse)."""
+        h = self.target.model.norm(g)
+        w = self.target.get_output_embeddings().weight
+        if token_ids is not None:
+            w = w[token_ids]
+        return h @ w.T
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+
+def target_sha256(loaded: LoadedModel) -> str:
+    """The identity an MTP checkpoint is tied to: the source weights' sha256 (GGUF), else a hash of the config."""
+    if loaded.sha256:
+        return loaded.sha256
+    return hashlib.sha256(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def save_head(head: MTPHead, directory: Path, card: dict) -> None:
+    """Write ``mtp_head.safetensors`` and ``mtp_head.json`` (the card) into ``directory``."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in head.trainable_state_dict().items()}, directory / "mtp_head.safetensors")
+    (directory / "mtp_head.json").write_text(json.dumps(card, indent=2) + "\n")
+
+
+def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple[MTPHead, dict]:
+    """Load the MTP head for ``loaded`` from ``directory`` (default: ``checkpoints/<model sha256[:16]>``).
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        MTPError: the checkpoint was trained for another target (sha256 mismatch) or its shapes differ.
+    """
+    sha = target_sha256(loaded)
+    directory = Path(directory) if directory else DEFAULT_CHECKPOINT_DIR / f"mtp-{sha[:16]}"
+    card_path = directory / "mtp_head.json"
+    if not card_path.exists():
+        raise FileNotFoundError(f"no MTP head checkpoint at {directory} for {loaded.name}; train one with "
+                                f"scripts/train_mtp.py")
+    card = json.loads(card_path.read_text())
+    if card.get("target_sha256") != sha:
+        raise MTPError(f"MTP head at {directory} was trained for target sha256 {card.get('target_sha256')}, "
+                       f"but {loaded.name} has {sha}: refusing a mismatched head")
+    from safetensors.torch import load_file
+
+    head = MTPHead(loaded.model).to(loaded.device, loaded.dtype)
+    state = load_file(directory / "mtp_head.safetensors", device=str(loaded.device))
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise MTPError(f"MTP head at {directory} does not fit {loaded.name}: {e}") from None
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise MTPError(f"MTP head at {directory}: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    head.eval()
+    return head, card
+
+
+class MTPDrafter:
+    """Drafts with an :class:`MTPHead` (see module docstring), masked by the grammar row before each token.
+
+    Mask-sparse drafting: when the row allows at most ``sparse_limit`` tokens, only those LM-head rows are
+    multiplied (``[n, d]`` instead of ``[V, d]``).
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: MTPHead, sparse_limit: int = 512):
+        self.head = head
+        self.sparse_limit = sparse_limit
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.known = 0  # head-cache positions [0, known) were fed the target's own hidden states
+        self.inputs: list[int] = []  # token x_{j+1} fed at head position j
+        self.outputs: list[torch.Tensor] = []  # head output g_j at position j ([d])
+        self.forwards = 0
+        self.sparse_calls = 0
+
+    def _crop(self, length: int) -> None:
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)
+        del self.inputs[length:]
+        del self.outputs[length:]
+
+    @torch.inference_mode()
+    def observe(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """Feed the target's hidden states ``float [m, d]`` of positions ``start … start+m-1`` with the tokens that
+        followed them (one head forward); drafted stand-ins from ``start`` on are dropped."""
+        if hidden.shape[0] == 0:
+            return
+        self._crop(min(start, len(self.inputs)))
+        if len(self.inputs) != start:
+            raise RuntimeError(f"MTP head cache has {len(self.inputs)} positions, observe() starts at {start}")
+        pos = torch.arange(start, start + hidden.shape[0], device=hidden.device)[None]
+        tok = torch.tensor([next_tokens], device=hidden.device)
+        g = self.head(hidden[None].to(self.head.proj.weight.dtype), tok, pos, self.cache)[0]
+        self.forwards += 1
+        self.inputs.extend(next_tokens)
+        self.outputs.extend(g)
+        self.known = len(self.inputs)
+
+    @torch.inference_mode()
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        need = len(tokens) - 2  # head position whose output predicts tokens[len(tokens)]
+        if self.known == 0 or need < self.known - 1:
+            return None
+        # drop drafted positions whose input token changed (rollback), then run the missing ones recurrently
+        for j in range(self.known, len(self.inputs)):
+            if j + 1 >= len(tokens) or self.inputs[j] != tokens[j + 1]:
+                self._crop(j)
+                break
+        device = self.head.proj.weight.device
+        while len(self.inputs) <= need:
+            j = len(self.inputs)
+            g = self.head(self.outputs[j - 1][None, None], torch.tensor([[tokens[j + 1]]], device=device),
+                          torch.tensor([[j]], device=device), self.cache)[0, 0]
+            self.forwards += 1
+            self.inputs.append(tokens[j + 1])
+            self.outputs.append(g)
+        g = self.outputs[need]
+        allowed = allowed_tokens(bitmask_row, self.head.target.config.vocab_size)
+        if 0 < allowed.numel() <= self.sparse_limit:
+            self.sparse_calls += 1
+            logits = self.head.logits(g, allowed.to(device)).float()
+            if sampling.greedy:
+                return int(allowed[int(torch.argmax(logits))]), None
+            full = torch.full((self.head.target.config.vocab_size,), float("-inf"), device=device)
+            full[allowed] = logits
+            q = probs_from_logits(full[None], sampling)[0]
+            return sample(q, generator), q
+        logits = self.head.logits(g)[None].float()
+        masked = apply_bitmask(logits, bitmask_row[None])
+        if sampling.greedy:
+            return int(torch.argmax(masked[0])), None
+        q = probs_from_logits(masked, sampling)[0]
+        return sample(q, generator), q

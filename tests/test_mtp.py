@@ -1,0 +1,90 @@
+"""decoding/mtp.py and scripts/train_mtp.py: head shapes, weight sharing, identity, training, checkpoint checks."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from constraints import json_schema_grammar
+from decoding import Generator, LoadedModel
+from decoding.mtp import MTPError, MTPHead, load_head, save_head, target_sha256
+
+from conftest import ROOT, tiny_llama
+from helpers import PROMPTS, random_schema
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import train_mtp  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def head(tiny_target):
+    torch.manual_seed(0)
+    return MTPHead(tiny_target.model).eval()
+
+
+def test_head_shapes_and_shared_frozen_embedding_and_lm_head(tiny_target, head):
+    d = tiny_target.model.config.hidden_size
+    assert head.proj.weight.shape == (d, 2 * d)
+    names = dict(head.named_parameters())
+    assert all(p.shape[0] != tiny_target.vocab_size for p in names.values())  # no copy of embedding / LM head
+    assert not any("embed" in n and "norm" not in n for n in names)
+    g = head(torch.randn(1, 3, d), torch.tensor([[5, 6, 7]]), torch.arange(3)[None])
+    assert g.shape == (1, 3, d)
+    assert head.logits(g).shape == (1, 3, tiny_target.vocab_size)
+    ids = torch.tensor([3, 9])
+    torch.testing.assert_close(head.logits(g, ids), head.logits(g)[..., ids])  # mask-sparse = gathered rows
+    assert head.target.get_output_embeddings().weight.data_ptr() == tiny_target.model.lm_head.weight.data_ptr()
+    same_layer = type(tiny_target.model.model.layers[0])
+    assert isinstance(head.block, same_layer)
+
+
+def test_head_cache_matches_full_sequence_forward(tiny_target, head):
+    from transformers import DynamicCache
+
+    d = tiny_target.model.config.hidden_size
+    h, toks = torch.randn(1, 7, d), torch.randint(0, 100, (1, 7))
+    full = head(h, toks, torch.arange(7)[None])
+    cache = DynamicCache()
+    a = head(h[:, :4], toks[:, :4], torch.arange(4)[None], cache)
+    b = head(h[:, 4:], toks[:, 4:], torch.arange(4, 7)[None], cache)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_identity_mtp_vs_none_random_schemas(tiny_target, head, gamma):
+    gen = Generator(tiny_target)
+    gen._mtp_head = head
+    tok = tiny_target.tokenizer
+    drafted = 0
+    for i in range(3):
+        grammar = json_schema_grammar(random_schema(random.Random(10 * gamma + i)))
+        prompt = tok.encode(PROMPTS[i], add_special_tokens=False)
+        ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
+        spec = gen.generate(prompt, grammar, drafter="mtp", max_new_tokens=60, num_draft_tokens=gamma)
+        assert spec.tokens == ref.tokens
+        drafted += spec.stats.drafted
+    assert drafted > 0
+
+
+def test_training_script_five_steps_on_tiny_target_lowers_the_loss(tiny_target):
+    tok = tiny_target.tokenizer
+    seqs = [{"tokens": tok.encode("the weather in paris is sunny and warm today " * 4), "prompt_len": 6}]
+    feats = train_mtp.featurize(tiny_target, seqs)
+    head = MTPHead(tiny_target.model)
+    before = float(train_mtp.head_loss(head, feats[0])[0])
+    losses = train_mtp.train_head(head, feats, max_steps=5, lr=3e-3)
+    after = float(train_mtp.head_loss(head, feats[0])[0])
+    assert len(losses) == 5 and after < before
+
+
+def test_checkpoint_for_another_model_is_refused(tiny_target, tiny_draft, head, tmp_path):
+    save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target)})
+    load_head(tiny_target, tmp_path)  # the right target loads
+    with pytest.raises(MTPError, match="refusing a mismatched head"):
+        load_head(tiny_draft, tmp_path)
+    with pytest.raises(FileNotFoundError, match="train one"):
+        load_head(tiny_target, tmp_path / "nothing")
