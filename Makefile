@@ -28,5 +28,8 @@ test-slow: setup
 bfcl: setup
 	$(PY) -m agent bfcl --category simple_python --limit 50
 
+bench: setup
+	$(PY) -m bench.run --limit 20 --repeat 3 --out bench/results/
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,85 @@
+"""The llama.cpp peer: llama-cpp-python on the same GGUF, constrained by a GBNF grammar built from the call schema
+with ``json_schema_to_gbnf`` (what ``LlamaGrammar.from_json_schema`` does), wrapped in the same
+``<tool_call>[ … ]</tool_call>`` envelope. Greedy (``temp=0``), one token per llama.cpp eval.
+
+``llama_cpp`` is an optional dependency (it builds from source); the benchmark skips this mode when the import
+fails. Differences from our grammar that the numbers carry: llama.cpp's JSON grammar allows free whitespace where
+ours fixes the separators, ignores some keywords (e.g. ``multipleOf``), and runs the Q4_1 weights (ours: the
+dequantised fp32 weights), so its token ids are not expected to equal the constrained mode's.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama.cpp cannot run this benchmark (not installed, no GGUF, grammar conversion failed)."""
+
+
+def gguf_path(spec: str) -> Path:
+    """The GGUF file behind a model spec (an alias of ``decoding.KNOWN_MODELS`` or a ``.gguf`` path)."""
+    from decoding.loader import KNOWN_MODELS, _locate_gguf
+
+    if spec in KNOWN_MODELS:
+        return _locate_gguf(KNOWN_MODELS[spec])
+    p = Path(spec).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p
+    raise LlamaCppUnavailable(f"llama.cpp needs a GGUF model; {spec!r} is not one")
+
+
+def call_gbnf(call_schema: dict) -> str:
+    """GBNF for ``<tool_call>[CALL]</tool_call>`` with CALL the JSON of ``call_schema`` (llama.cpp's converter)."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    body = json_schema_to_gbnf(json.dumps(call_schema))
+    body, n = re.subn(r"^root\s*::=", "call ::=", body, count=1, flags=re.M)
+    if n != 1:
+        raise LlamaCppUnavailable("unexpected GBNF from json_schema_to_gbnf (no root rule)")
+    return 'root ::= "<tool_call>[" call "]</tool_call>"\n' + body
+
+
+@dataclass
+class LlamaCppRun:
+    tokens: list[int]
+    truncated: bool
+    seconds: float  # wall time, prefill included (s)
+    prefill_seconds: float  # time to the first token (s)
+
+
+class LlamaCppPeer:
+    """One llama.cpp model; :meth:`generate` decodes a prompt (token ids) under a GBNF grammar."""
+
+    def __init__(self, model_spec: str, *, n_threads: int, n_ctx: int = 4096, gpu: bool = False):
+        try:
+            from llama_cpp import Llama
+        except ImportError as e:  # optional dependency
+            raise LlamaCppUnavailable(f"llama_cpp is not installed ({e}); pip install llama-cpp-python") from None
+        self.llm = Llama(model_path=str(gguf_path(model_spec)), n_ctx=n_ctx, n_threads=n_threads,
+                         n_gpu_layers=-1 if gpu else 0, verbose=False, seed=0)
+        self.eos = self.llm.token_eos()
+
+    def generate(self, prompt: list[int], gbnf: str, *, max_new_tokens: int) -> LlamaCppRun:
+        from llama_cpp import LlamaGrammar
+
+        grammar = LlamaGrammar.from_string(gbnf, verbose=False)  # fresh per decode: the grammar is stateful
+        tokens: list[int] = []
+        truncated = True
+        t0 = time.perf_counter()
+        t_first = None
+        for tok in self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                     reset=True, grammar=grammar):
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tok == self.eos:
+                truncated = False
+                break
+            tokens.append(int(tok))
+            if len(tokens) >= max_new_tokens:
+                break
+        t1 = time.perf_counter()
+        return LlamaCppRun(tokens, truncated, t1 - t0, (t_first or t1) - t0)
