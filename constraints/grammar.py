@@ -37,7 +37,9 @@ class Grammar:
 
 
 def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Key order is kept, not sorted: llguidance emits properties in schema order, so two schemas that differ only
+    # in the order of their keys are different grammars.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def json_schema_grammar(schema: Any, *, lenient: bool = False) -> Grammar:

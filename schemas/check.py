@@ -6,6 +6,7 @@ Lenient policy: such keywords are relaxed in the grammar and every output is val
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from typing import Any, Iterator
@@ -13,7 +14,7 @@ from typing import Any, Iterator
 import jsonschema
 import jsonschema.validators
 
-from .errors import SchemaError, json_pointer
+from .errors import InstanceError, SchemaError, json_pointer
 
 # Keywords whose value is a schema / map of schemas / list of schemas (for walking a schema tree).
 _SUBSCHEMA = {"not", "if", "then", "else", "items", "additionalProperties", "contains", "propertyNames",
@@ -56,11 +57,42 @@ def find_keyword(schema: Any, keyword: str) -> list[str]:
 
 
 def validator_class(schema: Any):
-    """The jsonschema validator class for the schema's declared ``$schema`` (Draft 2020-12 when absent)."""
+    """The jsonschema validator class for the schema's declared ``$schema`` (Draft 2020-12 when absent).
+
+    ``multipleOf`` is checked in exact decimal arithmetic (as the grammar does): plain jsonschema divides floats and
+    rejects ``0.3`` as a multiple of ``0.1``.
+    """
     default = jsonschema.Draft202012Validator
     if isinstance(schema, dict) and isinstance(schema.get("$schema"), str):
-        return jsonschema.validators.validator_for(schema, default=default)
-    return default
+        return _exact_multiple_of(jsonschema.validators.validator_for(schema, default=default))
+    return _exact_multiple_of(default)
+
+
+_EXACT: dict[type, type] = {}
+
+
+def _exact_multiple_of(cls):
+    if cls not in _EXACT:
+        _EXACT[cls] = jsonschema.validators.extend(cls, {"multipleOf": _multiple_of})
+    return _EXACT[cls]
+
+
+def _multiple_of(validator, divisor, instance, schema):
+    """``multipleOf`` on the decimal values the JSON text denotes (``repr`` of a float is its shortest decimal)."""
+    import decimal
+
+    if not validator.is_type(instance, "number") or isinstance(instance, bool):
+        return
+    try:
+        with decimal.localcontext() as ctx:
+            ctx.prec = 1000
+            ctx.traps[decimal.Inexact] = True
+            failed = decimal.Decimal(repr(instance)) % decimal.Decimal(repr(divisor)) != 0
+    except (decimal.DecimalException, ValueError):  # a quotient beyond 1000 digits: fall back to jsonschema's
+        yield from jsonschema._keywords.multipleOf(validator, divisor, instance, schema)
+        return
+    if failed:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
 
 
 def check_valid(schema: Any, tool: str | None = None) -> None:
@@ -87,7 +119,10 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
     for path, node in walk(schema):
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
-            if resolve_local_ref(schema, ref) is _MISSING:
+            # "#…" resolves against the nearest enclosing resource (a subschema with its own $id); real-world
+            # schemas misuse nested ids, so resolving against the root or any enclosing resource is accepted
+            bases = [schema] + [n for n in _ancestors(schema, path)[1:] if isinstance(n, dict) and "$id" in n]
+            if all(resolve_local_ref(b, ref) is _MISSING for b in bases):
                 pointer = json_pointer(path + ("$ref",))
                 raise SchemaError(f"$ref {ref!r} at {pointer} points to nothing in this schema",
                                   pointer=pointer, keyword="$ref", tool=tool)
@@ -96,17 +131,29 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
 _MISSING = object()
 
 
+def _ancestors(schema: Any, path: tuple) -> list:
+    """The nodes from the root down to ``path`` (inclusive)."""
+    out, node = [schema], schema
+    for part in path:
+        node = node[part]
+        out.append(node)
+    return out
+
+
 def resolve_local_ref(schema: Any, ref: str) -> Any:
     """Resolve ``#/a/b`` (or ``#``) inside ``schema``; returns a sentinel when the target does not exist.
 
-    ``#name`` anchors are looked up among ``$anchor`` values.
+    ``#name`` anchors are looked up among ``$anchor`` and ``$dynamicAnchor`` values; the fragment is
+    percent-decoded first (``#/definitions/a%3Ab``).
     """
-    frag = ref[1:]
+    from urllib.parse import unquote
+
+    frag = unquote(ref[1:])  # a URI fragment: JSON pointer characters may be percent-encoded (%3A, %25…)
     if frag == "":
         return schema
     if not frag.startswith("/"):
         for _, node in walk(schema):
-            if node.get("$anchor") == frag:
+            if node.get("$anchor") == frag or node.get("$dynamicAnchor") == frag:
                 return node
         return _MISSING
     node = schema
@@ -122,6 +169,7 @@ def resolve_local_ref(schema: Any, ref: str) -> Any:
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 
 
 def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = None) -> SchemaError:
@@ -139,16 +187,144 @@ def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = 
     if "oneOf" in message:
         ptrs = find_keyword(schema, "oneOf")
         p = ptrs[0] if ptrs else ""
-        return SchemaError(f"keyword 'oneOf' at {p or '/'} cannot be enforced exactly (branches may overlap); "
+        more = f" (the schema has {len(ptrs)} oneOf: {', '.join(ptrs[:5])}{'…' if len(ptrs) > 5 else ''})" \
+            if len(ptrs) > 1 else ""
+        problems = [(q, "oneOf", f"keyword 'oneOf' at {q} may not be enforceable exactly") for q in ptrs]
+        return SchemaError(f"keyword 'oneOf' at {p or '/'} cannot be enforced exactly (branches may overlap){more}; "
                            f"use anyOf with disjoint branches, or {_ADVICE.split(', or ')[-1]}",
-                           pointer=p, keyword="oneOf", tool=tool)
+                           pointer=p, keyword="oneOf", tool=tool, problems=problems or None)
+    fm = _UNKNOWN_FORMAT.search(message)
+    if fm:
+        ptrs = [json_pointer(path + ("format",)) for path, node in walk(schema) if node.get("format") == fm.group(1)]
+        p = ptrs[0] if ptrs else ""
+        return SchemaError(f"keyword 'format' at {p or '/'}: format {fm.group(1)!r} is not one the grammar enforces "
+                           f"(date-time, date, time, duration, email, hostname, ipv4, ipv6, uuid, uri); use a "
+                           f"pattern, or {_ADVICE.split(', or ')[-1]}", pointer=p, keyword="format", tool=tool,
+                           problems=[(q, "format", f"unknown format at {q}") for q in ptrs] or None)
+    if _RESOURCE.search(message) or any(k in message for k in _COMPILE_ERRORS):
+        return compile_error_to_schema_error(schema, message, tool=tool)
     for kw in ("pattern", "format", "$ref", "type", "enum", "const"):
         if kw in message or (kw == "$ref" and "Pointer" in message):
             ptrs = find_keyword(schema, kw)
             p = ptrs[0] if ptrs else ""
             return SchemaError(f"cannot compile schema (keyword {kw!r} near {p or '/'}): {message.strip()}",
                                pointer=p, keyword=kw, tool=tool)
-    return SchemaError(f"cannot compile schema: {message.strip()}", tool=tool)
+    return compile_error_to_schema_error(schema, message, tool=tool)
+
+
+_COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+                   "minContains", "maxContains")
+
+
+def _normalise_counts(schema: Any) -> Any:
+    """``schema`` with integral floats in count keywords (``"maxItems": 2.0``) made ints, which llguidance requires
+    (same meaning in every draft since 06). The input is not modified; it is returned as is when nothing changes."""
+    if not any(isinstance(node.get(k), float) for _, node in walk(schema) for k in _COUNT_KEYWORDS):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        for k in _COUNT_KEYWORDS:
+            v = node.get(k)
+            if isinstance(v, float) and v.is_integer():
+                node[k] = int(v)
+    return schema
+
+
+_QUOTED_KEYWORD = re.compile(r"'(\$?[A-Za-z]+)'")
+_PROCESSING = re.compile(r"while processing \S*#(\S*)")
+_RESOURCE = re.compile(r"Resource '([^']+)' is not present")
+_CIRCULAR = re.compile(r"circular references with sibling keys are not supported: \S*#(\S*)")
+_COMPILE_ERRORS = ("Unsatisfiable", "look-around", "lookaround", "regex parse error", "circular references",
+                   "schema too large", "stack level exceeded")
+
+
+def _unquote(fragment: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(fragment)
+
+
+def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = None) -> SchemaError:
+    """Turn an llguidance error raised while building the grammar into a :class:`SchemaError` naming the keyword
+    and pointer (remote ``$ref`` targets, unsatisfiable subschemas, out-of-range keyword values)."""
+    message = message.strip()
+    m = _RESOURCE.search(message)
+    if m:
+        uri = m.group(1)
+        ptrs = [json_pointer(p + ("$ref",)) for p, node in walk(schema)
+                if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#")]
+        p = ptrs[0] if ptrs else ""
+        return SchemaError(f"$ref at {p or '/'} points outside this schema ({uri}); remote references are never "
+                           f"fetched: inline the target under $defs", pointer=p, keyword="$ref", tool=tool)
+    m = _PROCESSING.search(message)
+    where = _unquote(m.group(1)) if m else None
+    if "look-around" in message or "lookaround" in message or "regex parse error" in message:
+        hits = [(json_pointer(path + ("pattern",)), "pattern") for path, node in walk(schema)
+                if isinstance(node.get("pattern"), str) and node["pattern"] in message]
+        hits += [(json_pointer(path + ("patternProperties", k)), "patternProperties") for path, node in walk(schema)
+                 if isinstance(node.get("patternProperties"), dict) for k in node["patternProperties"] if k in message]
+        if not hits:  # llguidance shows the regex rewritten (\d -> [0-9]): fall back to look-around syntax
+            look = re.compile(r"\(\?<?[=!]")
+            hits = [(json_pointer(path + ("pattern",)), "pattern") for path, node in walk(schema)
+                    if isinstance(node.get("pattern"), str) and look.search(node["pattern"])]
+            hits += [(json_pointer(path + ("patternProperties", k)), "patternProperties")
+                     for path, node in walk(schema) if isinstance(node.get("patternProperties"), dict)
+                     for k in node["patternProperties"] if look.search(k)]
+        p, kw = hits[0] if hits else (where or "", "pattern")
+        why = "look-around and anchors inside the pattern are not supported by the grammar's regex engine" \
+            if "look" in message else "the regular expression does not parse"
+        return SchemaError(f"keyword {kw!r} at {p or '/'} cannot be enforced: {why}; rewrite the regex without "
+                           f"look-around, or {_ADVICE.split(', or ')[-1]} ({message.splitlines()[0]})",
+                           pointer=p, keyword=kw, tool=tool)
+    m = _CIRCULAR.search(message)
+    if m:
+        p = _unquote(m.group(1))
+        return SchemaError(f"$ref cycle through {p or '/'} with sibling keywords next to $ref cannot be compiled; "
+                           f"move the siblings into an allOf or into the target", pointer=p, keyword="$ref", tool=tool)
+    if "schema too large" in message or "stack level exceeded" in message:
+        kw = "allOf" if "intersection" in message else "size"
+        return SchemaError(f"schema too large or too deeply intersected for the grammar compiler ({message.splitlines()[0]});"
+                           f" split it into smaller tools or flatten allOf", pointer=where or "", keyword=kw, tool=tool)
+    if "Unsatisfiable" in message:
+        p = where or ""
+        return SchemaError(f"schema at {p or '/'} admits no value ({message.splitlines()[0]}): nothing can be "
+                           f"generated; fix the contradiction", pointer=p, keyword="unsatisfiable", tool=tool)
+    m = _QUOTED_KEYWORD.search(message)
+    if m or "min/maxProperties" in message:
+        kw = m.group(1) if m else next((k for k in ("minProperties", "maxProperties") if find_keyword(schema, k)),
+                                       "minProperties")
+        ptrs = find_keyword(schema, kw)
+        p = ptrs[0] if ptrs else (where or "")
+        return SchemaError(f"cannot compile schema: keyword {kw!r} at {p or '/'}: {message}", pointer=p,
+                           keyword=kw, tool=tool)
+    return SchemaError(f"cannot compile schema: {message}", pointer=where or "", tool=tool)
+
+
+def check_exact_extras(schema: Any, tool: str | None = None) -> None:
+    """Raise :class:`SchemaError` for constructs llguidance compiles but does not enforce exactly.
+
+    ``minProperties`` above the number of required keys, on an object that allows undeclared keys: the grammar
+    counts keys as written and cannot stop an undeclared key from repeating, so ``{"b":1,"b":2}`` passes
+    ``minProperties: 2`` but parses to one key.
+    """
+    problems = []
+    for path, node in walk(schema):
+        m = node.get("minProperties")
+        if not isinstance(m, (int, float)) or isinstance(m, bool):
+            continue
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        closed = node.get("additionalProperties") is False and not node.get("patternProperties")
+        if m > len(set(required)) and not closed:
+            pointer = json_pointer(path + ("minProperties",))
+            problems.append((pointer, "minProperties",
+                             f"keyword 'minProperties' at {pointer} cannot be enforced exactly: a repeated "
+                             f"undeclared key would count twice; list the keys in properties/required with "
+                             f"additionalProperties: false"))
+    if problems:
+        where = ", ".join(f"{kw!r} at {p}" for p, kw, _ in problems)
+        raise SchemaError(f"schema uses keywords the grammar cannot enforce: {where} (a repeated undeclared key "
+                          f"would count twice); {_ADVICE}", pointer=problems[0][0], keyword="minProperties",
+                          tool=tool, problems=problems)
 
 
 # Grammar compile options shared by every JSON grammar in the project: compact separators, no free whitespace
@@ -166,10 +342,16 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     import llguidance
 
     options = LENIENT_COMPILE_OPTIONS if lenient else JSON_COMPILE_OPTIONS
+    if not lenient:
+        check_exact_extras(schema, tool=tool)
+    if schema is True:
+        schema = {}
+    elif schema is False:
+        raise SchemaError("schema false admits no value: nothing can be generated", keyword="false", tool=tool)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_normalise_counts(schema), overrides=options)
     except ValueError as e:
-        raise SchemaError(f"cannot compile schema: {e}", tool=tool) from None
+        raise compile_error_to_schema_error(schema, str(e), tool=tool) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise grammar_error_to_schema_error(schema, messages[0], tool=tool)
@@ -179,3 +361,116 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
 def check_enforceable(schema: Any, tool: str | None = None) -> None:
     """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration)."""
     compile_json_schema(schema, lenient=False, tool=tool)
+
+
+def instance_validator(schema: Any, *, check_formats: bool = True):
+    """A jsonschema validator for ``schema``'s declared draft that never fetches remote ``$ref`` targets.
+
+    Args:
+        check_formats: treat ``format`` as an assertion (the grammar enforces the formats it knows), using the
+            draft's format checker (formats whose checker library is not installed pass).
+    """
+    import referencing
+
+    cls = validator_class(schema)
+    fmt = format_checker(cls) if check_formats else None
+    return cls(schema, format_checker=fmt, registry=referencing.Registry())
+
+
+_DATE = r"(\d{4})-(\d{2})-(\d{2})"
+_TIME = r"(\d{2}):(\d{2}):(\d{2})(?:\.\d+)?(?:[Zz]|[+-](\d{2}):(\d{2}))"
+_DATE_TIME_RE = re.compile(rf"^{_DATE}[Tt]{_TIME}$", re.ASCII)
+_TIME_RE = re.compile(rf"^{_TIME}$", re.ASCII)
+_DURATION_RE = re.compile(r"^P(?:\d+W|(?=\d|T\d)(?:\d+Y)?(?:\d+M)?(?:\d+D)?(?:T(?=\d)(?:\d+H)?(?:\d+M)?(?:\d+S)?)?)$",
+                          re.ASCII)
+_HOST_LABEL_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", re.ASCII)
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s<>\"{}|\\^`]*$")
+
+
+def _check_time(m: re.Match, at: int) -> bool:
+    h, mi, sec = int(m.group(at)), int(m.group(at + 1)), int(m.group(at + 2))
+    oh, om = m.group(at + 3), m.group(at + 4)
+    return h < 24 and mi < 60 and sec <= 60 and (oh is None or (int(oh) < 24 and int(om) < 60))
+
+
+def _is_date_time(value: Any) -> bool:
+    import datetime
+
+    if not isinstance(value, str):
+        return True
+    m = _DATE_TIME_RE.match(value)
+    if not m:
+        return False
+    try:
+        datetime.date(int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    except ValueError:
+        return False
+    return _check_time(m, 4)
+
+
+def _is_time(value: Any) -> bool:
+    if not isinstance(value, str):
+        return True
+    m = _TIME_RE.match(value)
+    return bool(m) and _check_time(m, 1)
+
+
+def _is_duration(value: Any) -> bool:
+    return not isinstance(value, str) or bool(_DURATION_RE.match(value))
+
+
+def _is_hostname(value: Any) -> bool:
+    if not isinstance(value, str):
+        return True
+    return 0 < len(value) <= 253 and all(_HOST_LABEL_RE.match(label) for label in value.split("."))
+
+
+def _is_uri(value: Any) -> bool:
+    return not isinstance(value, str) or bool(_URI_RE.match(value))
+
+
+_FALLBACK_FORMATS = {"date-time": _is_date_time, "time": _is_time, "duration": _is_duration,
+                     "hostname": _is_hostname, "uri": _is_uri}
+
+
+def format_checker(cls=None):
+    """jsonschema's format checker (Draft 2020-12 formats and the draft's own), plus RFC 3339 ``date-time``/``time``, ISO 8601 ``duration``,
+    RFC 1123 ``hostname`` and absolute ``uri`` checks where the optional checker libraries are not installed
+    (the formats the grammar enforces should be checked the same way after generation)."""
+    checker = copy.deepcopy(jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    if cls is not None:  # the draft's own formats too (the grammar enforces a format whatever the draft)
+        for name, entry in cls.FORMAT_CHECKER.checkers.items():
+            checker.checkers.setdefault(name, entry)
+    for name, fn in _FALLBACK_FORMATS.items():
+        if name not in checker.checkers:
+            checker.checks(name)(fn)
+    return checker
+
+
+def validate_instance(schema: Any, value: Any, *, check_formats: bool = True, tool: str | None = None) -> None:
+    """Raise :class:`InstanceError` unless ``value`` satisfies ``schema`` (jsonschema, the schema's own draft).
+
+    Use it to post-validate outputs of a grammar compiled with ``lenient=True``. The error names the failing
+    keyword, its pointer in the schema (``/properties/age/not``) and the pointer of the bad value in the instance.
+
+    Raises:
+        InstanceError: the value is invalid (``pointer``, ``keyword``, ``schema_pointer``, ``problems``).
+        SchemaError: the schema itself is unusable (e.g. a ``$ref`` that cannot be resolved).
+    """
+    import referencing.exceptions
+
+    try:
+        errors = list(instance_validator(schema, check_formats=check_formats).iter_errors(value))
+    except referencing.exceptions.Unresolvable as e:
+        raise SchemaError(f"cannot validate: $ref {e.ref!r} does not resolve", keyword="$ref", tool=tool) from None
+    if not errors:
+        return
+    errors.sort(key=lambda e: (list(map(str, e.absolute_path)), list(map(str, e.absolute_schema_path))))
+    problems = [(json_pointer(e.absolute_path), str(e.validator), json_pointer(e.absolute_schema_path), e.message)
+                for e in errors]
+    pointer, keyword, schema_pointer, message = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    prefix = f"tool {tool!r}: " if tool else ""
+    raise InstanceError(f"{prefix}value at {pointer or '/'} fails keyword {keyword!r} at schema {schema_pointer or '/'}"
+                        f": {message}{more}", pointer=pointer, keyword=keyword, schema_pointer=schema_pointer,
+                        tool=tool, problems=problems)

@@ -47,3 +47,21 @@ class ToolCallError(ValueError):
 def json_pointer(path) -> str:
     """RFC 6901 pointer for a sequence of keys/indices: ``["a", 0, "b/c"]`` -> ``"/a/0/b~1c"``."""
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+class InstanceError(ToolCallError):
+    """A JSON value does not satisfy its JSON Schema (post-validation of a leniently compiled grammar's output).
+
+    Attributes:
+        pointer: JSON pointer into the value of the first failing part (``""`` = the value itself).
+        keyword: the schema keyword that failed (``"not"``, ``"minimum"``…).
+        schema_pointer: JSON pointer of that keyword inside the schema (e.g. ``"/properties/age/not"``).
+        problems: every ``(pointer, keyword, schema_pointer, message)`` found, first one first.
+    """
+
+    def __init__(self, message: str, *, pointer: str = "", keyword: str | None = None, schema_pointer: str = "",
+                 tool: str | None = None, problems: list[tuple[str, str | None, str, str]] | None = None):
+        self.keyword = keyword
+        self.schema_pointer = schema_pointer
+        self.problems = problems or [(pointer, keyword, schema_pointer, message)]
+        super().__init__(message, tool=tool, pointer=pointer)
