@@ -6,7 +6,7 @@ Drafting modes (``drafter=``):
     ``schema``       forced + llguidance fast-forward tokens proposed as drafts.
     ``lookup``       forced + fast-forward + prompt lookup (the default).
     ``draft_model``  forced + fast-forward + a smaller draft model with the same tokenizer.
-    ``mtp``          forced + fast-forward + the model's trained MTP head (``decoding/mtp.py``).
+    ``mtp``          forced + the model's trained MTP head (``decoding/mtp.py``) drafting every other token.
 
 Each ``generate`` call builds its own KV caches and drafter state, so one Generator serves several threads.
 """
@@ -98,7 +98,7 @@ class Generator:
         if name == "lookup":
             return ChainDrafter([SchemaDrafter(), PromptLookupDrafter()])
         if name == "mtp":
-            return ChainDrafter([SchemaDrafter(), MTPDrafter(self.mtp_head())])
+            return MTPDrafter(self.mtp_head())  # forced tokens are free; the head drafts the rest
         return ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(self._draft_model()))])
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,

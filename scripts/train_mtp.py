@@ -42,11 +42,13 @@ def build_sequences(loaded, rows, *, text_every: int = 3, max_new_tokens: int = 
         tools = [tool_from_bfcl(fn) for fn in row["function"]]
         messages = [m for turn in row["question"] for m in turn]
         ids = render_prompt(loaded.tokenizer, messages, tools)
-        modes = ["required"] + (["none"] if i % text_every == 0 else [])
+        modes = ["required"] + (["none"] if (i + 1) % text_every == 0 else [])
         for mode in modes:
             grammar = turn_grammar(tools, mode, parallel=False, max_string_length=200, max_decimals=8)
             res = gen.generate(ids, grammar, max_new_tokens=max_new_tokens if mode == "required" else 48)
             out.append({"tokens": ids + res.tokens, "prompt_len": len(ids), "id": row["id"], "mode": mode})
+        if (i + 1) % 10 == 0:
+            print(f"  generated for {i + 1}/{len(rows)} prompts", flush=True)
     return out
 
 
@@ -143,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--limit", type=int, default=None, help="use only this many training prompts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-every", type=int, default=3, help="also a text answer for every Nth prompt (0: none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     t_start = time.time()
@@ -161,8 +164,9 @@ def main(argv=None) -> int:
     val_rows, train_rows = rows[:n_val], rows[n_val:]
     print(f"{len(train_rows)} training prompts, {len(val_rows)} validation prompts", flush=True)
     t0 = time.time()
-    train_seqs = build_sequences(loaded, train_rows)
-    val_seqs = build_sequences(loaded, val_rows)
+    every = args.text_every or 10 ** 9
+    train_seqs = build_sequences(loaded, train_rows, text_every=every)
+    val_seqs = build_sequences(loaded, val_rows, text_every=every)
     print(f"generated {len(train_seqs)} + {len(val_seqs)} sequences in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
     train_f = featurize(loaded, train_seqs, seed=args.seed)
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
     card = {"target": loaded.name, "target_sha256": sha, "architecture": "DeepSeek-V3 depth-1 MTP module: "
             "RMSNorm(h) || RMSNorm(Emb(x)) -> Linear(2d->d) -> 1 LlamaDecoderLayer -> shared final norm + LM head",
             "data": {"train": "BFCL simple_python 50-199 + multiple 0-99 (minus validation), target's own "
-                              "constrained greedy tool calls + text answers for every 3rd prompt",
+                              "constrained greedy tool calls (+ text answers for every --text-every'th prompt)",
                      "train_prompts": len(train_rows), "validation_prompts": len(val_rows),
                      "train_sequences": len(train_seqs), "held_out": "BFCL simple_python 0-49 never used"},
             "steps": args.epochs * len(train_f), "epochs": args.epochs, "seed": args.seed,
