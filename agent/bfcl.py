@@ -145,6 +145,8 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
                "tokens_per_s": round(s.tokens_per_s, 2) if s else 0.0,
                "tokens_per_forward": round(s.tokens_per_forward, 3) if s else 0.0,
                "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
+               "acceptance_by_position": [round(a, 3) for a in s.acceptance_by_position[:8]] if s else [],
+               "forced_share": round(s.forced / s.new_tokens, 3) if s and s.new_tokens else 0.0,
                "seconds": round(time.perf_counter() - t0, 1)}
     out(json.dumps(summary))
     return summary

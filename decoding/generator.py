@@ -7,6 +7,7 @@ Drafting modes (``drafter=``):
     ``lookup``       forced + fast-forward + prompt lookup (the default).
     ``draft_model``  forced + fast-forward + a smaller draft model with the same tokenizer.
     ``mtp``          forced + the model's trained MTP head (``decoding/mtp.py``) drafting every other token.
+    ``lookup_mtp``   forced + fast-forward + prompt lookup, and the MTP head where lookup finds nothing.
 
 Each ``generate`` call builds its own KV caches and drafter state, so one Generator serves several threads.
 """
@@ -26,7 +27,7 @@ from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model", "mtp")
+DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model", "mtp", "lookup_mtp")
 DEFAULT_DRAFTER = "lookup"
 
 
@@ -99,6 +100,8 @@ class Generator:
             return ChainDrafter([SchemaDrafter(), PromptLookupDrafter()])
         if name == "mtp":
             return MTPDrafter(self.mtp_head())  # forced tokens are free; the head drafts the rest
+        if name == "lookup_mtp":
+            return ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(self.mtp_head())])
         return ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(self._draft_model()))])
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,

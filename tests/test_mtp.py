@@ -64,9 +64,10 @@ def test_greedy_identity_mtp_vs_none_random_schemas(tiny_target, head, gamma):
         grammar = json_schema_grammar(random_schema(random.Random(10 * gamma + i)))
         prompt = tok.encode(PROMPTS[i], add_special_tokens=False)
         ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
-        spec = gen.generate(prompt, grammar, drafter="mtp", max_new_tokens=60, num_draft_tokens=gamma)
-        assert spec.tokens == ref.tokens
-        drafted += spec.stats.drafted
+        for mode in ("mtp", "lookup_mtp"):
+            spec = gen.generate(prompt, grammar, drafter=mode, max_new_tokens=60, num_draft_tokens=gamma)
+            assert spec.tokens == ref.tokens, mode
+            drafted += spec.stats.drafted
     assert drafted > 0
 
 
