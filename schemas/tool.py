@@ -92,21 +92,7 @@ class Tool:
         if not isinstance(arguments, dict):
             raise ToolCallError(f"tool {self.name!r}: arguments must be a JSON object, got "
                                 f"{type(arguments).__name__}", tool=self.name)
-        if self.model is not None:
-            try:
-                return self.model.model_validate(arguments)
-            except pydantic.ValidationError as e:
-                err = e.errors()[0]
-                pointer = json_pointer(err["loc"])
-                raise ToolCallError(f"tool {self.name!r}: argument at {pointer or '/'} is invalid: {err['msg']}"
-                                    f" ({len(e.errors())} error(s))", tool=self.name, pointer=pointer) from None
-        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
-        if errors:
-            e = errors[0]
-            pointer = json_pointer(e.absolute_path)
-            raise ToolCallError(f"tool {self.name!r}: argument at {pointer or '/'} fails keyword "
-                                f"{e.validator!r}: {e.message}", tool=self.name, pointer=pointer)
-        return arguments
+        return _validate_value(arguments, self.model, self._validator, f"tool {self.name!r}: argument", self.name)
 
     def make_call(self, arguments: Any, call_id: str | None = None) -> ToolCall:
         """Validate ``arguments`` and wrap them into a :class:`ToolCall` (raises :class:`ToolCallError`)."""
@@ -223,20 +209,31 @@ class ResponseFormat:
 
     def validate(self, value: Any) -> Any:
         """The validated answer: a model instance or the JSON value. Raises ToolCallError naming the pointer."""
-        if self.model is not None:
-            try:
-                return self.model.model_validate(value)
-            except pydantic.ValidationError as e:
-                err = e.errors()[0]
-                pointer = json_pointer(err["loc"])
-                raise ToolCallError(f"response at {pointer or '/'} is invalid: {err['msg']}",
-                                    pointer=pointer) from None
-        errors = sorted(self._validator.iter_errors(value), key=lambda e: list(e.absolute_path))
-        if errors:
-            pointer = json_pointer(errors[0].absolute_path)
-            raise ToolCallError(f"response at {pointer or '/'} fails keyword {errors[0].validator!r}: "
-                                f"{errors[0].message}", pointer=pointer)
-        return value
+        return _validate_value(value, self.model, self._validator, "response", None)
+
+
+def _validate_value(value: Any, model: type[pydantic.BaseModel] | None, validator: Any, what: str,
+                    tool: str | None) -> Any:
+    """Validate with the pydantic ``model`` (-> instance) or the jsonschema ``validator`` (-> the value).
+
+    Raises:
+        ToolCallError: ``"<what> at <pointer> …"`` naming the first failing value's JSON pointer and the keyword.
+    """
+    if model is not None:
+        try:
+            return model.model_validate(value)
+        except pydantic.ValidationError as e:
+            err = e.errors()[0]
+            pointer = json_pointer(err["loc"])
+            raise ToolCallError(f"{what} at {pointer or '/'} is invalid: {err['msg']} ({len(e.errors())} error(s))",
+                                tool=tool, pointer=pointer) from None
+    errors = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        pointer = json_pointer(e.absolute_path)
+        raise ToolCallError(f"{what} at {pointer or '/'} fails keyword {e.validator!r}: {e.message}",
+                            tool=tool, pointer=pointer)
+    return value
 
 
 def as_tool(obj: Any, *, strict: bool = True) -> Tool:
