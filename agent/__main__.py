@@ -21,11 +21,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
-def _agent(args, tools):
+def _agent(args, tools, **kwargs):
     from agent import Agent
 
     return Agent(args.model, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-                 adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
+                 adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype, **kwargs)
 
 
 def _print_run(prompt: str, res) -> None:
@@ -35,10 +35,13 @@ def _print_run(prompt: str, res) -> None:
         print(f"  result    : {rec.error if rec.error else json.dumps(rec.result, ensure_ascii=False, default=str)}")
     for c in res.pending_calls:
         print(f"  tool call : {c.name}({json.dumps(c.arguments, ensure_ascii=False)})  [no callable: returned]")
-    if res.truncated:
-        print("  (truncated at --max-new-tokens: output not returned)")
+    if res.truncated and res.final_answer is None:
+        print("  (tool call cut at --max-new-tokens: not returned)")
+    elif res.truncated:
+        print("  (answer cut at --max-new-tokens)")
     if res.final_answer is not None:
-        print(f"  answer    : {res.final_answer.strip()}")
+        answer = " ".join(res.final_answer.split())
+        print(f"  answer    : {answer[:300]}{' …' if len(answer) > 300 else ''}")
     s = res.stats
     print(f"  stats     : {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, {s.tokens_per_forward:.2f} tokens/forward, "
           f"{s.target_forwards} target forwards, acceptance {s.acceptance_rate:.2f}, {s.forced} forced tokens")
@@ -48,7 +51,8 @@ def cmd_demo(args) -> int:
     from .demo_tools import PROMPTS, TOOLS
 
     t = time.perf_counter()
-    agent = _agent(args, TOOLS)
+    # bounded strings and numbers in the grammar: a 135M model can otherwise run on inside a value
+    agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
     print(f"model: {agent.generator.loaded.name} on {args.device} ({time.perf_counter() - t:.1f} s to load); "
           f"drafter: {args.drafter}; tools: {', '.join(agent.registry.names)}")
     for prompt in PROMPTS:
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="three example tools, three prompts, on the default model")
     _common(p)
     p.add_argument("--tool-choice", default="required", help="auto | required | none (first turn)")
-    p.set_defaults(fn=cmd_demo)
+    p.set_defaults(fn=cmd_demo, max_new_tokens=96)
     p = sub.add_parser("run", help="run your own tools: --tools MODULE:OBJ 'prompt'")
     _common(p)
     p.add_argument("--tools", required=True)

@@ -31,8 +31,8 @@ You have access to the following tools:
 
 To call tools, the output MUST strictly adhere to the following format, and NO other text MUST be included.
 Please make sure the parameter type is correct and take the argument values from the question.
-For example, for the question "How warm is it in Lisbon in fahrenheit?" and a tool get_weather(city, unit), the output is:
-<tool_call>[{{"name": "get_weather", "arguments": {{"city": "Lisbon", "unit": "fahrenheit"}}}}]</tool_call>"""
+For example, for the question "Find me a flight from Oslo to Rome" and a tool book_flight(origin, destination), the output is:
+<tool_call>[{{"name": "book_flight", "arguments": {{"origin": "Oslo", "destination": "Rome"}}}}]</tool_call>"""
 
 
 # After tool results, small models answer far better without the tool-listing prompt (measured on SmolLM2-135M:
