@@ -48,8 +48,8 @@ def test_required_call_runs_the_tool_and_feeds_the_result_back(gen):
 
 
 def test_tool_that_raises_gets_its_error_fed_back_and_the_run_goes_on(gen):
-    agent = Agent(gen, [broken], max_steps=2)
-    res = agent.run("go", tool_choice="required", max_new_tokens=40)
+    agent = Agent(gen, [broken], max_steps=2, max_decimals=2)  # bounded integer: the call always closes
+    res = agent.run("go", tool_choice="required", max_new_tokens=96)
     rec = res.tool_calls[0]
     assert rec.error == "RuntimeError: database is down" and rec.result is None
     tool_msg = next(m for m in res.messages if m["role"] == "tool")
