@@ -14,7 +14,7 @@ def banner(title):
     print(f"\n=== {title}")
 
 
-agent = Agent(tools=TOOLS, max_steps=3, tool_timeout=5.0)
+agent = Agent(tools=TOOLS, max_steps=3, tool_timeout=5.0, max_string_length=48, max_decimals=6)
 
 banner("multi-step loop: call -> result -> answer; the transcript is OpenAI-style")
 res = agent.run("What's the weather in Paris?", tool_choice="required")
