@@ -10,7 +10,7 @@ import time
 import llguidance
 import torch
 
-from .bitmask import allocate_bitmask, is_allowed, single_allowed
+from .bitmask import allocate_bitmask
 from .grammar import Grammar
 
 
@@ -56,10 +56,6 @@ class ConstraintState:
         """The next-token mask as a fresh ``int32 [ceil(V/32)]`` row."""
         self.fill_bitmask(self._row, 0)
         return self._row[0].clone()
-
-    def forced_token(self, bitmask_row: torch.Tensor) -> int | None:
-        """The only token ``bitmask_row`` allows (a schema-forced token), or None."""
-        return single_allowed(bitmask_row)
 
     def ff_tokens(self) -> list[int]:
         """llguidance's fast-forward tokens: the canonical tokenisation of the bytes the grammar forces next."""
@@ -116,9 +112,6 @@ class ConstraintState:
     def is_stopped(self) -> bool:
         """Nothing but EOS can follow (the grammar is complete and cannot extend)."""
         return self.matcher.is_stopped()
-
-    def allows(self, bitmask_row: torch.Tensor, token: int) -> bool:
-        return is_allowed(bitmask_row, token)
 
     @property
     def eos_token(self) -> int:

@@ -14,7 +14,7 @@ Each ``generate`` call builds its own KV caches and drafter state, so one Genera
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 from constraints import ConstraintState, Grammar, llg_tokenizer
 
@@ -58,7 +58,6 @@ class Generator:
         self._mtp_head = None
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
-        self.custom_drafters: dict[str, Callable[[], Any]] = {}
 
     @staticmethod
     def _check_drafter(name: str) -> None:
