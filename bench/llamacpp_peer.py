@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.errors import SpecAgentError
 
-class LlamaCppUnavailable(RuntimeError):
+
+class LlamaCppUnavailable(SpecAgentError, RuntimeError):
     """llama.cpp cannot run this benchmark (not installed, no GGUF, grammar conversion failed)."""
 
 

@@ -59,7 +59,7 @@ from agent.format import parse_turn, render_prompt, turn_grammar
 from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS, Generator, LoadedModel, ModelNotFoundError, load_model
 from schemas import ToolRegistry, call_schema
 from schemas.bfcl import tool_from_bfcl
-from schemas.errors import ToolCallError
+from schemas.errors import SpecAgentError, ToolCallError
 
 MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model", "hf_assisted_constrained",
          "llamacpp_constrained", "best")
@@ -74,7 +74,7 @@ MAX_DECIMALS = 8
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
-class SkipMode(Exception):
+class SkipMode(SpecAgentError):
     """A mode cannot run here (missing optional dependency, checkpoint or model); the message says why."""
 
 

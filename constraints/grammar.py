@@ -14,10 +14,10 @@ from typing import Any
 import llguidance
 
 from schemas.check import compile_json_schema
-from schemas.errors import SchemaError
+from schemas.errors import SchemaError, SpecAgentError
 
 
-class GrammarError(ValueError):
+class GrammarError(SpecAgentError, ValueError):
     """A Lark or regex grammar does not compile (the message is llguidance's)."""
 
 

@@ -10,11 +10,13 @@ import time
 import llguidance
 import torch
 
+from schemas.errors import SpecAgentError
+
 from .bitmask import allocate_bitmask
 from .grammar import Grammar
 
 
-class ConstraintError(RuntimeError):
+class ConstraintError(SpecAgentError, RuntimeError):
     """The grammar cannot take a token (or is in an error state); the message says which token and why."""
 
 

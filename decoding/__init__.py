@@ -1,13 +1,16 @@
 """Decoding: offline model loading, KV-cached constrained decoding and the grammar-constrained speculative decoder."""
+from schemas.errors import SpecAgentError
+
 from .decoder import decode
 from .drafters import ChainDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SchemaDrafter
 from .generator import DEFAULT_DRAFTER, DRAFTERS, Generator
 from .loader import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundError, load_model
 from .model import CausalLM
 from .sampling import SamplingParams
+from .mtp import MTPError
 from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
 __all__ = ["CausalLM", "ChainDrafter", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DRAFTERS", "DecodeResult", "DecodeStats",
-           "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel", "ModelNotFoundError",
-           "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "decode", "load_model", "speculative_decode"]
+           "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel", "MTPError", "ModelNotFoundError",
+           "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError", "decode", "load_model", "speculative_decode"]

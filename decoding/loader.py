@@ -23,8 +23,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from schemas.errors import SpecAgentError  # noqa: E402
 
-class ModelNotFoundError(FileNotFoundError):
+
+class ModelNotFoundError(SpecAgentError, FileNotFoundError):
     """The model's files are not on this machine; the message names the command that installs them."""
 
 

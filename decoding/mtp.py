@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from constraints import allowed_tokens, apply_bitmask
+from schemas.errors import SpecAgentError
 
 from .loader import LoadedModel
 from .sampling import probs_from_logits, sample
@@ -32,7 +33,7 @@ from .sampling import probs_from_logits, sample
 DEFAULT_CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
-class MTPError(ValueError):
+class MTPError(SpecAgentError, ValueError):
     """An MTP checkpoint does not fit the target model (wrong sha256 or shapes)."""
 
 

@@ -6,7 +6,19 @@ its JSON pointer (RFC 6901) inside the schema or instance.
 from __future__ import annotations
 
 
-class SchemaError(ValueError):
+class SpecAgentError(Exception):
+    """Base class of every exception this project raises on purpose (catch it to catch ours).
+
+    Each subclass also derives from the built-in exception that describes it (``ValueError`` for bad input,
+    ``RuntimeError`` for a failed operation, ``FileNotFoundError`` for a missing model), so existing
+    ``except ValueError`` handlers keep working. Subclasses: :class:`SchemaError`, :class:`ToolError`,
+    :class:`ToolCallError`, :class:`InstanceError` (here); ``constraints.GrammarError``,
+    ``constraints.ConstraintError``; ``decoding.ModelNotFoundError``, ``decoding.MTPError``; and in ``bench/``
+    ``SkipMode`` and ``LlamaCppUnavailable``.
+    """
+
+
+class SchemaError(SpecAgentError, ValueError):
     """A JSON Schema is invalid, or uses keywords that cannot be enforced exactly.
 
     Attributes:
@@ -26,11 +38,11 @@ class SchemaError(ValueError):
         super().__init__(prefix + message)
 
 
-class ToolError(ValueError):
+class ToolError(SpecAgentError, ValueError):
     """A tool definition is unusable (duplicate or malformed name, unsupported object, bad signature)."""
 
 
-class ToolCallError(ValueError):
+class ToolCallError(SpecAgentError, ValueError):
     """A tool call does not name a registered tool or its arguments fail validation.
 
     Attributes:

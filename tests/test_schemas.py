@@ -177,3 +177,17 @@ def test_bfcl_java_any_becomes_a_code_string_and_java_types_map():
     assert props["n"] == {"type": "integer"} and props["m"] == {"type": "object"} and props["b"] == {"type": "boolean"}
     assert props["c"] == {"type": "string"}
     t.make_call({"n": 42, "c": "new Path('/x')"})
+
+
+def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():
+    import bench.llamacpp_peer
+    import bench.run
+    from constraints import ConstraintError, GrammarError
+    from decoding import ModelNotFoundError, MTPError
+    from schemas import InstanceError, SchemaError, SpecAgentError, ToolCallError, ToolError
+
+    for cls, builtin in [(SchemaError, ValueError), (ToolError, ValueError), (ToolCallError, ValueError),
+                         (InstanceError, ValueError), (GrammarError, ValueError), (ConstraintError, RuntimeError),
+                         (ModelNotFoundError, FileNotFoundError), (MTPError, ValueError),
+                         (bench.llamacpp_peer.LlamaCppUnavailable, RuntimeError), (bench.run.SkipMode, Exception)]:
+        assert issubclass(cls, SpecAgentError) and issubclass(cls, builtin), cls
