@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pydantic
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DecodeStats, Generator, LoadedModel, SamplingParams
+from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DecodeStats, Generator, LoadedModel, SamplingParams,
+                      check_drafter)
 from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
 from .format import filter_tools, parse_turn, render_prompt, turn_grammar
@@ -103,7 +104,7 @@ class Agent:
         self.generator = model if isinstance(model, Generator) else Generator(
             model, drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             draft_model=draft_model, device=device, dtype=dtype)
-        self.generator._check_drafter(drafter)
+        check_drafter(drafter)
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.registry = ToolRegistry(strict=strict)

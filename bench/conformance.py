@@ -77,7 +77,7 @@ def load_cases(suite: str, data: Path, limit: int | None = None) -> Iterator[dic
 def _views(schema: Any, root: Any, value: Any, validator, depth: int = 0) -> list[dict]:
     """The schema objects that apply to ``value``: the node, its local ``$ref`` targets, ``allOf`` members and the
     first ``anyOf``/``oneOf`` branch ``value`` satisfies (the branch the generator would have taken)."""
-    from schemas.check import _MISSING, resolve_local_ref
+    from schemas.check import MISSING, resolve_local_ref
 
     if not isinstance(schema, dict) or depth > 40:
         return []
@@ -85,7 +85,7 @@ def _views(schema: Any, root: Any, value: Any, validator, depth: int = 0) -> lis
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         target = resolve_local_ref(root, ref)
-        if target is not _MISSING:
+        if target is not MISSING:
             out += _views(target, root, value, validator, depth + 1)
     for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
         out += _views(sub, root, value, validator, depth + 1)
@@ -207,9 +207,9 @@ class Matcher:
         from transformers import AutoTokenizer
 
         from constraints import llg_tokenizer
-        from decoding.loader import _resolve
+        from decoding.loader import resolve_model
 
-        directory = _resolve(model)[0]
+        directory = resolve_model(model)[0]
         self.hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         config = json.loads((Path(directory) / "config.json").read_text())
         self.vocab_size = int(config.get("vocab_size", len(self.hf)))
@@ -229,7 +229,7 @@ class Matcher:
         st = self.state(grammar)
         ids = self.hf.encode(text, add_special_tokens=False)
         if st.valid_prefix_len(ids) != len(ids):
-            st._check("validating tokens")
+            st.raise_if_error("validating tokens")
             return False
         st.consume_many(ids)
         return st.is_accepting()

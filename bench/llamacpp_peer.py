@@ -24,10 +24,10 @@ class LlamaCppUnavailable(SpecAgentError, RuntimeError):
 
 def gguf_path(spec: str) -> Path:
     """The GGUF file behind a model spec (an alias of ``decoding.KNOWN_MODELS`` or a ``.gguf`` path)."""
-    from decoding.loader import KNOWN_MODELS, _locate_gguf
+    from decoding.loader import KNOWN_MODELS, locate_gguf
 
     if spec in KNOWN_MODELS:
-        return _locate_gguf(KNOWN_MODELS[spec])
+        return locate_gguf(KNOWN_MODELS[spec])
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p

@@ -52,7 +52,7 @@ class ConstraintState:
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
         self.mask_seconds += time.perf_counter() - t0
         self.mask_calls += 1
-        self._check("computing the mask")
+        self.raise_if_error("computing the mask")
 
     def next_mask(self) -> torch.Tensor:
         """The next-token mask as a fresh ``int32 [ceil(V/32)]`` row."""
@@ -120,7 +120,9 @@ class ConstraintState:
         return self.tokenizer.eos_token
 
     # -- helpers -------------------------------------------------------------------------------------------------
-    def _check(self, what: str) -> None:
+    def raise_if_error(self, what: str) -> None:
+        """Raise :class:`ConstraintError` (naming ``what`` and llguidance's message) when the matcher is in its
+        error state; no-op otherwise."""
         if self.matcher.is_error():
             raise ConstraintError(f"grammar error while {what}: {self.matcher.get_error()}")
 

@@ -1,26 +1,37 @@
 """Drafters: propose the next draft token for a sequence under a grammar mask.
 
-One small protocol (as in transformers' candidate generators): :meth:`Drafter.propose` returns a token the mask
+One small base class (as in transformers' candidate generators): :meth:`Drafter.propose` returns a token the mask
 allows plus its draft distribution q (None = deterministic, i.e. one-hot q), or None to end the draft window.
+Names map to drafters in one table, :data:`decoding.registry.DRAFTERS`.
 Schema-forced tokens (the mask allows exactly one token) are drafted by the speculative decoder itself, for free,
 before any drafter is asked.
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
 from constraints import ConstraintState, apply_bitmask, is_allowed_row
 
 from .model import CausalLM
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, pick
 
 
-class Drafter(Protocol):
-    """Proposes draft tokens. Implementations keep whatever state they need and resynchronise from ``tokens``."""
+class Drafter:
+    """Base class of every drafter: declares everything the speculative step may call (as transformers'
+    ``CandidateGenerator`` declares ``get_candidates`` / ``update_candidate_strategy``).
 
-    name: str
+    A new drafter subclasses this, overrides :meth:`propose` (and whatever else it needs) and gets one row in
+    :data:`decoding.registry.DRAFTERS`. Implementations keep whatever state they need and resynchronise from
+    ``tokens`` (the sequence can shrink after a rejection).
+
+    Attributes:
+        name: the name shown in statistics and logs.
+        needs_hidden_states: the speculative step computes the target's last-layer hidden states in the prefill and
+            verify forwards and passes them to :meth:`observe` (an MTP head is seeded with them).
+    """
+
+    name: str = "drafter"
+    needs_hidden_states: bool = False
 
     def propose(self, tokens: list[int], state: ConstraintState, bitmask_row: torch.Tensor,
                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None] | None:
@@ -30,18 +41,37 @@ class Drafter(Protocol):
             tokens: the full sequence so far.
             state: the grammar state after ``tokens`` (read it, do not advance it).
             bitmask_row: ``int32 [ceil(V/32)]`` mask of allowed next tokens.
+            sampling: greedy or sampled drafting (use :func:`decoding.sampling.pick` on masked logits).
+            generator: the run's random generator (None when greedy).
         Returns:
             ``(token, q)`` with ``q`` the masked, renormalised draft distribution ``float32 [V]`` (sampling with a
             model drafter) or None (deterministic proposal), or None to stop drafting.
         """
-        ...
+        raise NotImplementedError
+
+    def observe(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
+        """Learn the target's view of accepted tokens (called only when :attr:`needs_hidden_states`).
+
+        Args:
+            hidden: target last-layer hidden states ``float [m, d]`` of positions ``start … start+m-1``.
+            next_tokens: the ``m`` tokens that followed those positions (accepted drafts and the bonus token).
+            start: sequence position of ``hidden[0]``.
+        """
+
+    def adapt_num_draft_tokens(self, num_draft_tokens: int, num_drafted: int, num_accepted: int,
+                               max_num_draft_tokens: int) -> int:
+        """γ for the next window after one verified window (called with ``adaptive=True`` when the drafter
+        proposed at least one token). Default: transformers' "heuristic" schedule, +2 after a fully accepted
+        window, −1 otherwise, within ``[1, max_num_draft_tokens]``."""
+        if num_accepted == num_drafted:
+            return min(num_draft_tokens + 2, max_num_draft_tokens)
+        return max(1, num_draft_tokens - 1)
 
     def reset(self) -> None:
         """Forget per-sequence state (called before each decode)."""
-        ...
 
 
-class SchemaDrafter:
+class SchemaDrafter(Drafter):
     """Proposes the canonical tokenisation of the bytes the grammar forces next (llguidance's fast-forward bytes),
     e.g. ``' "'`` after ``"city":`` where the mask also allows ``' '`` + ``'"'`` and ``' "Paris'``-like merges.
     The target decides: these proposals are verified like any draft."""
@@ -57,11 +87,8 @@ class SchemaDrafter:
             return ff[0], None
         return None
 
-    def reset(self) -> None:
-        pass
 
-
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding: match the last n tokens (n = ``max_ngram`` … ``min_ngram``) against earlier
     context and propose the token that followed the most recent match (tool arguments are often copied from the
     user's words). Proposals the grammar forbids end the window.
@@ -94,11 +121,8 @@ class PromptLookupDrafter:
             return None
         return tok, None
 
-    def reset(self) -> None:
-        pass
 
-
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """A smaller model with the same tokenizer and its own KV cache drafts token by token, masking its logits
     with the grammar row (so every draft is grammatical). Greedy: argmax (one-hot q). Sampling: a draw from its
     masked, renormalised q, returned for the Leviathan et al. acceptance test.
@@ -129,24 +153,21 @@ class DraftModelDrafter:
         if logits.shape[-1] < width:
             logits = torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=float("-inf"))
         masked = apply_bitmask(logits[:, :width].clone(), bitmask_row.unsqueeze(0))
-        if sampling.greedy:
-            return int(torch.argmax(masked[0])), None
-        q = probs_from_logits(masked, sampling)[0]
-        return sample(q, generator), q
+        return pick(masked, sampling, generator)
 
 
-class ChainDrafter:
+class ChainDrafter(Drafter):
     """Ask several drafters in order; the first proposal wins (e.g. schema fast-forward, then prompt lookup)."""
 
-    def __init__(self, drafters: list):
+    def __init__(self, drafters: list[Drafter]):
         self.drafters = list(drafters)
         self.name = "+".join(d.name for d in self.drafters)
-        self.needs_hidden = any(getattr(d, "needs_hidden", False) for d in self.drafters)
+        self.needs_hidden_states = any(d.needs_hidden_states for d in self.drafters)
 
     def observe(self, hidden, next_tokens, start) -> None:
         """Pass the target's hidden states to the members that use them (MTP)."""
         for d in self.drafters:
-            if getattr(d, "needs_hidden", False):
+            if d.needs_hidden_states:
                 d.observe(hidden, next_tokens, start)
 
     def propose(self, tokens, state, bitmask_row, sampling, generator):

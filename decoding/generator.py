@@ -1,6 +1,6 @@
 """Generator: one model, its grammar tokenizer and a drafting mode; ``generate`` decodes one constrained sequence.
 
-Drafting modes (``drafter=``):
+Drafting modes (``drafter=``, the rows of :data:`decoding.registry.DRAFTERS`):
     ``none``         non-speculative reference: one token per target forward.
     ``forced``       speculative with schema-forced tokens only (the mask allows exactly one token).
     ``schema``       forced + llguidance fast-forward tokens proposed as drafts.
@@ -19,16 +19,17 @@ from typing import Callable
 from constraints import ConstraintState, Grammar, llg_tokenizer
 
 from .decoder import decode
-from .drafters import ChainDrafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
+from .drafters import Drafter
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM
-from .mtp import MTPDrafter, load_head
+from .mtp import load_head
+from . import registry
+from .registry import DEFAULT_DRAFTER, DRAFTERS, check_drafter
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model", "mtp", "lookup_mtp")
-DEFAULT_DRAFTER = "lookup"
+__all__ = ["DEFAULT_DRAFTER", "DRAFTERS", "Generator"]
 
 
 class Generator:
@@ -49,7 +50,7 @@ class Generator:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
-        self._check_drafter(drafter)
+        check_drafter(drafter)
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
@@ -59,16 +60,17 @@ class Generator:
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _check_drafter(name: str) -> None:
-        if name not in DRAFTERS:
-            raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
-
     def new_state(self, grammar: Grammar) -> ConstraintState:
         """A fresh grammar state for one sequence."""
         return ConstraintState(self.llg_tokenizer, grammar)
 
-    def _draft_model(self) -> LoadedModel:
+    def draft_model(self) -> LoadedModel:
+        """The draft model for ``drafter="draft_model"`` (loaded once, on the target's device and dtype).
+
+        Raises:
+            ValueError: no ``draft_model=`` was given, or its tokenizer differs from the target's.
+            ModelNotFoundError: the draft model's files are missing.
+        """
         with self._lock:
             if self._draft_loaded is None:
                 if self._draft_spec is None:
@@ -88,20 +90,10 @@ class Generator:
                 self._mtp_head, _ = load_head(self.loaded, self.mtp_checkpoint)
             return self._mtp_head
 
-    def make_drafter(self, name: str):
-        """A fresh drafter object for mode ``name`` (None for ``none`` / ``forced``)."""
-        self._check_drafter(name)
-        if name in ("none", "forced"):
-            return None
-        if name == "schema":
-            return SchemaDrafter()
-        if name == "lookup":
-            return ChainDrafter([SchemaDrafter(), PromptLookupDrafter()])
-        if name == "mtp":
-            return MTPDrafter(self.mtp_head())  # forced tokens are free; the head drafts the rest
-        if name == "lookup_mtp":
-            return ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(self.mtp_head())])
-        return ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(self._draft_model()))])
+    def make_drafter(self, name: str) -> Drafter | None:
+        """A fresh drafter for mode ``name`` from :data:`decoding.registry.DRAFTERS` (None for ``none`` /
+        ``forced``). Raises ``ValueError`` for an unknown name."""
+        return registry.make_drafter(name, self)
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,

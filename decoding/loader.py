@@ -120,18 +120,24 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | t
     with _LOCK:
         if shared and key in _LOADED:
             return _LOADED[key]
-        directory, name, sha = _resolve(spec)
+        directory, name, sha = resolve_model(spec)
         loaded = _load_dir(directory, name, sha, device, torch_dtype)
         if shared:
             _LOADED[key] = loaded
         return loaded
 
 
-def _resolve(spec: str) -> tuple[Path, str, str | None]:
-    """-> (HF directory to load, display name, source sha256)."""
+def resolve_model(spec: str) -> tuple[Path, str, str | None]:
+    """Where the model ``spec`` (alias, HF directory or ``.gguf`` path) lives, without loading it.
+
+    Returns:
+        ``(HF directory to load, display name, source sha256 or None)``; a GGUF is converted once into the cache.
+    Raises:
+        ModelNotFoundError: no such alias, directory or file (nothing is downloaded).
+    """
     if spec in KNOWN_MODELS:
         src = KNOWN_MODELS[spec]
-        gguf = _locate_gguf(src)
+        gguf = locate_gguf(src)
         return _converted(gguf, src.sha256, src.name), src.name, src.sha256
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -151,7 +157,13 @@ def _package_dir(pkg: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _locate_gguf(src: ModelSource) -> Path:
+def locate_gguf(src: ModelSource) -> Path:
+    """The GGUF file of a known model: in its installed package, or joined from its parts into the cache once.
+
+    Raises:
+        ModelNotFoundError: the package is not installed or its file is missing (the message gives the install
+            command).
+    """
     dirs = [_package_dir(p) for p in src.packages]
     if any(d is None for d in dirs):
         raise ModelNotFoundError(f"{src.name} is not installed; install it with: {src.install}")

@@ -28,7 +28,8 @@ from constraints import allowed_tokens, apply_bitmask
 from schemas.errors import SpecAgentError
 
 from .loader import LoadedModel
-from .sampling import probs_from_logits, sample
+from .drafters import Drafter
+from .sampling import pick
 
 DEFAULT_CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -148,7 +149,7 @@ def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple
     return head, card
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     """Drafts with an :class:`MTPHead` (see module docstring), masked by the grammar row before each token.
 
     Mask-sparse drafting: when the row allows at most ``sparse_limit`` tokens, only those LM-head rows are
@@ -156,7 +157,7 @@ class MTPDrafter:
     """
 
     name = "mtp"
-    needs_hidden = True
+    needs_hidden_states = True
 
     def __init__(self, head: MTPHead, sparse_limit: int = 512):
         self.head = head
@@ -222,13 +223,8 @@ class MTPDrafter:
             logits = self.head.logits(g, allowed.to(device)).float()
             if sampling.greedy:
                 return int(allowed[int(torch.argmax(logits))]), None
-            full = torch.full((self.head.target.config.vocab_size,), float("-inf"), device=device)
-            full[allowed] = logits
-            q = probs_from_logits(full[None], sampling)[0]
-            return sample(q, generator), q
-        logits = self.head.logits(g)[None].float()
-        masked = apply_bitmask(logits, bitmask_row[None])
-        if sampling.greedy:
-            return int(torch.argmax(masked[0])), None
-        q = probs_from_logits(masked, sampling)[0]
-        return sample(q, generator), q
+            masked = torch.full((1, self.head.target.config.vocab_size), float("-inf"), device=device)
+            masked[0, allowed] = logits
+        else:
+            masked = apply_bitmask(self.head.logits(g)[None].float(), bitmask_row[None])
+        return pick(masked, sampling, generator)

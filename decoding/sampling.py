@@ -65,3 +65,14 @@ def probs_from_logits(masked_logits: torch.Tensor, params: SamplingParams) -> to
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from ``float32 [V]`` probabilities."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def pick(masked_logits: torch.Tensor, params: SamplingParams,
+         generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """The next token from masked logits ``[1, V]`` (``-inf`` = forbidden): ``(argmax, None)`` when greedy (a
+    deterministic choice is a one-hot q), else ``(a draw from q, q)`` with ``q`` = :func:`probs_from_logits`
+    ``float32 [V]``, the distribution the Leviathan et al. 2023 (Alg. 1) acceptance test needs."""
+    if params.greedy:
+        return int(torch.argmax(masked_logits[0])), None
+    q = probs_from_logits(masked_logits, params)[0]
+    return sample(q, generator), q

@@ -172,7 +172,7 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     if drafter is not None:
         drafter.reset()
     bitmask = allocate_bitmask(max_window + 1, target.vocab_size)
-    needs_hidden = bool(getattr(drafter, "needs_hidden", False))  # an MTP head is seeded with target states
+    needs_hidden = drafter is not None and drafter.needs_hidden_states  # an MTP head is seeded with target states
     if needs_hidden:
         cur, h = prefill(target, prompt, stats, hidden=True)
         if h is not None:

@@ -122,13 +122,14 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
             # "#…" resolves against the nearest enclosing resource (a subschema with its own $id); real-world
             # schemas misuse nested ids, so resolving against the root or any enclosing resource is accepted
             bases = [schema] + [n for n in _ancestors(schema, path)[1:] if isinstance(n, dict) and "$id" in n]
-            if all(resolve_local_ref(b, ref) is _MISSING for b in bases):
+            if all(resolve_local_ref(b, ref) is MISSING for b in bases):
                 pointer = json_pointer(path + ("$ref",))
                 raise SchemaError(f"$ref {ref!r} at {pointer} points to nothing in this schema",
                                   pointer=pointer, keyword="$ref", tool=tool)
 
 
-_MISSING = object()
+MISSING = object()
+"""Sentinel returned by :func:`resolve_local_ref` when a reference points to nothing."""
 
 
 def _ancestors(schema: Any, path: tuple) -> list:
@@ -141,7 +142,7 @@ def _ancestors(schema: Any, path: tuple) -> list:
 
 
 def resolve_local_ref(schema: Any, ref: str) -> Any:
-    """Resolve ``#/a/b`` (or ``#``) inside ``schema``; returns a sentinel when the target does not exist.
+    """Resolve ``#/a/b`` (or ``#``) inside ``schema``; returns :data:`MISSING` when the target does not exist.
 
     ``#name`` anchors are looked up among ``$anchor`` and ``$dynamicAnchor`` values; the fragment is
     percent-decoded first (``#/definitions/a%3Ab``).
@@ -155,7 +156,7 @@ def resolve_local_ref(schema: Any, ref: str) -> Any:
         for _, node in walk(schema):
             if node.get("$anchor") == frag or node.get("$dynamicAnchor") == frag:
                 return node
-        return _MISSING
+        return MISSING
     node = schema
     for part in frag[1:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
@@ -164,7 +165,7 @@ def resolve_local_ref(schema: Any, ref: str) -> Any:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return _MISSING
+            return MISSING
     return node
 
 

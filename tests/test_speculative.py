@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer, regex_grammar
-from decoding import (CausalLM, ChainDrafter, DraftModelDrafter, LoadedModel, PromptLookupDrafter, SamplingParams,
-                      SchemaDrafter, decode, speculative_decode)
+from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, LoadedModel, PromptLookupDrafter,
+                      SamplingParams, SchemaDrafter, decode, speculative_decode)
 
 from conftest import tiny_llama
 from helpers import PROMPTS, random_schema
@@ -75,7 +75,7 @@ def test_forced_tokens_cut_target_forwards(tiny_target):
     assert spec.stats.forced > 0 and spec.stats.target_forwards < ref.stats.target_forwards / 2
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes a fixed script of tokens, position by position in the output (valid or not)."""
 
     name = "scripted"
@@ -87,9 +87,6 @@ class ScriptedDrafter:
     def propose(self, tokens, state, bitmask_row, sampling, generator):
         i = len(tokens) - self.prompt_len
         return (self.script[i], None) if i < len(self.script) else None
-
-    def reset(self):
-        pass
 
 
 def test_draft_valid_then_invalid_bonus_row_is_masked(tiny_target):
@@ -204,7 +201,7 @@ def _exact_distribution(model, llt, grammar, prompt, max_len=4):
     return out
 
 
-class FixedDrafter:
+class FixedDrafter(Drafter):
     """Deterministic drafts (one-hot q): always proposes the same token when the grammar allows it."""
 
     name = "fixed"
@@ -216,9 +213,6 @@ class FixedDrafter:
         from constraints import is_allowed_row
 
         return (self.token, None) if is_allowed_row(bitmask_row, self.token) else None
-
-    def reset(self):
-        pass
 
 
 @pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
