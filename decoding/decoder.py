@@ -7,6 +7,7 @@ Loop invariant (as in gpt-fast): the KV cache holds every token but the last one
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from constraints import ConstraintState, allocate_bitmask, apply_bitmask
 
 from .model import CausalLM
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, pick
 from .stats import DecodeResult, DecodeStats
 
 
@@ -31,6 +32,69 @@ def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats, *, hidden: 
     stats.prompt_tokens += len(prompt)
     stats.prefill_seconds += time.perf_counter() - t0
     return (prompt[-1], h) if hidden else prompt[-1]
+
+
+@dataclass
+class DecodeSetup:
+    """What both decoders hold for one sequence after :func:`start_decode` (set-up shared with
+    ``decoding.speculative``).
+
+    Attributes:
+        eos: the EOS token id.
+        stats: the decode's counters, prefill already counted.
+        generator: the run's random generator (None when greedy).
+        bitmask: ``int32 [rows, ceil(V/32)]`` mask buffer (row i = grammar state after i draft tokens).
+        cur: the last prompt token, not yet fed to the target (the KV cache holds the rest).
+        hidden: target last-layer hidden states ``float [len(prompt) - 1, d]`` of the prompt (``hidden=True``
+            only), else None.
+        t_start: ``time.perf_counter()`` at the start (s); ``mask_start``: the state's mask time then (s).
+    """
+
+    eos: int
+    stats: DecodeStats
+    generator: torch.Generator | None
+    bitmask: torch.Tensor
+    cur: int
+    hidden: torch.Tensor | None
+    t_start: float
+    mask_start: float
+
+
+def start_decode(target: CausalLM, prompt: list[int], state: ConstraintState, sampling: SamplingParams,
+                 eos_token_id: int | None, *, rows: int = 1, hidden: bool = False) -> DecodeSetup:
+    """Set up one decode: EOS id, statistics, random generator, a bitmask of ``rows`` rows, and the prefill.
+
+    Raises:
+        ValueError: the prompt is empty.
+    """
+    eos = state.eos_token if eos_token_id is None else eos_token_id
+    stats = DecodeStats()
+    t_start = time.perf_counter()
+    mask_start = state.mask_seconds
+    gen = None if sampling.greedy else sampling.generator(target.device)
+    bitmask = allocate_bitmask(rows, target.vocab_size)
+    if hidden:
+        cur, h = prefill(target, prompt, stats, hidden=True)
+    else:
+        cur, h = prefill(target, prompt, stats), None
+    return DecodeSetup(eos, stats, gen, bitmask, cur, h, t_start, mask_start)
+
+
+def finish_decode(setup: DecodeSetup, tokens: list[int], stop: str, state: ConstraintState,
+                  tokenizer=None) -> DecodeResult:
+    """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`."""
+    stats = setup.stats
+    stats.new_tokens = len(tokens)
+    stats.mask_seconds = state.mask_seconds - setup.mask_start
+    stats.seconds = time.perf_counter() - setup.t_start
+    return DecodeResult(tokens, detokenize(tokens, state, tokenizer), stop, stats)
+
+
+def detokenize(tokens: list[int], state: ConstraintState, tokenizer=None) -> str:
+    """``tokens`` as text: with the HF ``tokenizer`` (special tokens kept), or llguidance's when it is None."""
+    if tokenizer is not None:
+        return tokenizer.decode(tokens, skip_special_tokens=False)
+    return state.tokenizer.decode_str(tokens)
 
 
 def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
@@ -51,13 +115,8 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
     Returns:
         :class:`DecodeResult`; stops at EOS (allowed only when the grammar accepts) or when the grammar is complete.
     """
-    eos = state.eos_token if eos_token_id is None else eos_token_id
-    stats = DecodeStats()
-    t_start = time.perf_counter()
-    mask0 = state.mask_seconds
-    gen = None if sampling.greedy else sampling.generator(target.device)
-    bitmask = allocate_bitmask(1, target.vocab_size)
-    cur = prefill(target, prompt, stats)
+    run = start_decode(target, prompt, state, sampling, eos_token_id)
+    stats, cur = run.stats, run.cur
     tokens: list[int] = []
     stop = "length"
     while len(tokens) < max_new_tokens:
@@ -68,13 +127,9 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
         logits, _ = target.forward([cur])
         stats.target_forwards += 1
         stats.verify_seconds += time.perf_counter() - t0
-        state.fill_bitmask(bitmask, 0)
-        masked = apply_bitmask(logits[-1:].clone(), bitmask)
-        if sampling.greedy:
-            tok = int(torch.argmax(masked[0]))
-        else:
-            tok = sample(probs_from_logits(masked, sampling)[0], gen)
-        if tok == eos:
+        state.fill_bitmask(run.bitmask, 0)
+        tok, _ = pick(apply_bitmask(logits[-1:].clone(), run.bitmask), sampling, run.generator)
+        if tok == run.eos:
             stop = "eos"
             break
         state.consume(tok)
@@ -82,13 +137,4 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
         cur = tok
         if on_step is not None:
             on_step(tokens)
-    stats.new_tokens = len(tokens)
-    stats.mask_seconds = state.mask_seconds - mask0
-    stats.seconds = time.perf_counter() - t_start
-    return DecodeResult(tokens, _detok(tokens, state, tokenizer), stop, stats)
-
-
-def _detok(tokens: list[int], state: ConstraintState, tokenizer) -> str:
-    if tokenizer is not None:
-        return tokenizer.decode(tokens, skip_special_tokens=False)
-    return state.tokenizer.decode_str(tokens)
+    return finish_decode(run, tokens, stop, state, tokenizer)

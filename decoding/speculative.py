@@ -12,6 +12,9 @@ Window of one step (``cur`` = last accepted token, not yet in the KV cache)::
     verify:  target([cur, d1 … dk]) -> logits [k+1, V]; logits[i] masked with row i (bonus row included)
     accept:  n = matching prefix; bonus = pick(masked logits[n]) (greedy) or Leviathan's rule (sampling)
     commit:  grammar rollback(k − n) then consume(bonus); KV cache cropped to the accepted length
+
+Each line is one function: :func:`draft_window`, :func:`verify`, :func:`accept`, :func:`commit`; set-up and
+wrap-up are shared with the reference decoder (:func:`decoding.decoder.start_decode` / ``finish_decode``).
 """
 from __future__ import annotations
 
@@ -21,13 +24,13 @@ from typing import Callable
 
 import torch
 
-from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row, single_allowed
+from constraints import ConstraintState, apply_bitmask, is_allowed_row, single_allowed
 
-from .decoder import _detok, prefill
+from .decoder import finish_decode, start_decode
 from .drafters import Drafter
 from .model import CausalLM
 from .sampling import SamplingParams, probs_from_logits, sample
-from .stats import DecodeResult, DecodeStats
+from .stats import DecodeResult
 
 
 @dataclass
@@ -39,12 +42,19 @@ class Draft:
         q: per token, the draft distribution ``float32 [V]`` or None (deterministic / forced: one-hot q).
         forced: per token, True when the grammar allowed only that token.
         rows: bitmask rows filled (row i = state after ``d1 … di``); ``k`` or ``k + 1``.
+        ends_with_eos: the last token is EOS (not consumed by the grammar state, nothing fed after it).
     """
 
     tokens: list[int]
     q: list[torch.Tensor | None]
     forced: list[bool]
     rows: int
+    ends_with_eos: bool = False
+
+    @property
+    def num_consumed(self) -> int:
+        """Draft tokens the grammar state consumed (all but a trailing EOS)."""
+        return len(self.tokens) - int(self.ends_with_eos)
 
 
 def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int], bitmask: torch.Tensor,
@@ -84,9 +94,30 @@ def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int]
         qs.append(q)
         forced.append(is_forced)
         if tok == eos:
-            break
+            return Draft(tokens, qs, forced, rows, ends_with_eos=True)
         state.consume(tok)
     return Draft(tokens, qs, forced, rows)
+
+
+def verify(target: CausalLM, cur: int, draft: Draft, bitmask: torch.Tensor, *,
+           hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One target forward over ``[cur, d1 … dk]`` (a trailing EOS needs no logits after it).
+
+    Returns:
+        ``(target_logits, hidden)``: target logits ``float [rows, V]`` with row i masked by ``bitmask[i]`` (the
+        bonus row included), and with ``hidden=True`` the target's last-layer states ``float [k + 1, d]``.
+    """
+    logits, h = target.forward([cur] + draft.tokens[:draft.num_consumed], hidden=hidden)
+    n_rows = min(draft.rows, logits.shape[0])
+    return apply_bitmask(logits[:n_rows].clone(), bitmask[:n_rows]), h
+
+
+def accept(target_logits: torch.Tensor, draft: Draft, sampling: SamplingParams,
+           generator: torch.Generator | None) -> tuple[int, int | None]:
+    """``(num_accepted, bonus token or None)``: :func:`accept_greedy` or, when sampling, :func:`accept_sampled`."""
+    if sampling.greedy:
+        return accept_greedy(target_logits, draft)
+    return accept_sampled(target_logits, draft, sampling, generator)
 
 
 def accept_greedy(masked: torch.Tensor, draft: Draft) -> tuple[int, int | None]:
@@ -139,6 +170,31 @@ def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(q, (0, width - q.shape[-1]))
 
 
+def commit(state: ConstraintState, target: CausalLM, draft: Draft, num_accepted: int, bonus: int | None,
+           base: int, eos: int) -> tuple[list[int], str | None]:
+    """Keep the accepted drafts and the bonus token; roll the rest back.
+
+    The grammar state rolls back the rejected drafts and consumes the bonus; the KV cache is cropped to
+    ``base + 1 + num_accepted`` (``cur`` and the accepted drafts; the bonus becomes the next ``cur``).
+
+    Returns:
+        ``(new output tokens, stop reason or None)``: ``"eos"`` when EOS was accepted inside the window or is the
+        bonus (EOS itself is not output), ``"grammar"`` when all drafts were accepted and nothing may follow.
+    """
+    accepted = draft.tokens[:num_accepted]
+    if accepted and accepted[-1] == eos:  # EOS inside the window: accept through it and finish
+        state.rollback(draft.num_consumed - (num_accepted - 1))
+        return accepted[:-1], "eos"
+    state.rollback(draft.num_consumed - num_accepted)
+    if bonus is None:  # all accepted and the grammar is complete: nothing may follow
+        return accepted, "grammar"
+    if bonus == eos:
+        return accepted, "eos"
+    state.consume(bonus)
+    target.crop(base + 1 + num_accepted)
+    return accepted + [bonus], None
+
+
 def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintState, drafter: Drafter | None, *,
                        num_draft_tokens: int = 4, max_new_tokens: int = 256,
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
@@ -152,8 +208,8 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         state: grammar state of the sequence (advanced in place by the output).
         drafter: proposes non-forced draft tokens; None = schema-forced tokens only.
         num_draft_tokens: γ, drafter tokens per window (forced tokens do not count; ``max_window`` caps both).
-        adaptive: adapt γ online: +2 after a fully accepted window, −1 otherwise (transformers' "heuristic"),
-            within ``[1, max_num_draft_tokens]``.
+        adaptive: adapt γ online with :meth:`Drafter.adapt_num_draft_tokens` (default: +2 after a fully accepted
+            window, −1 otherwise, transformers' "heuristic"), within ``[1, max_num_draft_tokens]``.
         max_new_tokens: output budget (``stop_reason == "length"`` when reached).
         sampling: greedy when ``temperature == 0``.
         on_step: called after each committed step with the output tokens so far (tests check that the grammar
@@ -164,21 +220,13 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     """
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    eos = state.eos_token if eos_token_id is None else eos_token_id
-    stats = DecodeStats()
-    t_start = time.perf_counter()
-    mask0 = state.mask_seconds
-    gen = None if sampling.greedy else sampling.generator(target.device)
     if drafter is not None:
         drafter.reset()
-    bitmask = allocate_bitmask(max_window + 1, target.vocab_size)
     needs_hidden = drafter is not None and drafter.needs_hidden_states  # an MTP head is seeded with target states
-    if needs_hidden:
-        cur, h = prefill(target, prompt, stats, hidden=True)
-        if h is not None:
-            drafter.observe(h, prompt[1:], 0)
-    else:
-        cur = prefill(target, prompt, stats)
+    run = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1, hidden=needs_hidden)
+    if run.hidden is not None:
+        drafter.observe(run.hidden, prompt[1:], 0)
+    stats, cur, gen = run.stats, run.cur, run.generator
     seq = list(prompt)
     tokens: list[int] = []
     gamma = num_draft_tokens
@@ -187,67 +235,29 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         if state.is_stopped():
             stop = "grammar"
             break
-        # -- draft ---------------------------------------------------------------------------------------------
         t0 = time.perf_counter()
         budget = max_new_tokens - len(tokens)
-        draft = draft_window(state, drafter, seq, bitmask, gamma, min(max_window, budget - 1), sampling, gen, eos)
-        consumed = len(draft.tokens) - (1 if draft.tokens and draft.tokens[-1] == eos else 0)
+        draft = draft_window(state, drafter, seq, run.bitmask, gamma, min(max_window, budget - 1), sampling, gen,
+                             run.eos)
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
-        # -- verify: one target forward over [cur, d1 … dk] (a trailing EOS needs no logits after it) -----------
         base = target.length
-        inputs = [cur] + draft.tokens[:consumed]
-        logits, hidden = target.forward(inputs, hidden=needs_hidden)
+        target_logits, hidden = verify(target, cur, draft, run.bitmask, hidden=needs_hidden)
         stats.target_forwards += 1
-        n_rows = min(draft.rows, logits.shape[0])
-        masked = apply_bitmask(logits[:n_rows].clone(), bitmask[:n_rows])
-        if sampling.greedy:
-            n, bonus = accept_greedy(masked, draft)
-        else:
-            n, bonus = accept_sampled(masked, draft, sampling, gen)
+        num_accepted, bonus = accept(target_logits, draft, sampling, gen)
         stats.verify_seconds += time.perf_counter() - t1
-        # -- statistics ----------------------------------------------------------------------------------------
-        position = 0
-        model_drafted = model_accepted = 0
-        for j, is_forced in enumerate(draft.forced):
-            if is_forced:
-                stats.forced += int(j < n)
-                continue
-            model_drafted += 1
-            model_accepted += int(j < n)
-            if j <= n:
-                stats.record_position(position, j < n)
-            position += 1
-        stats.drafted += model_drafted
-        stats.accepted += model_accepted
-        if adaptive and model_drafted:
-            gamma = min(gamma + 2, max_num_draft_tokens) if model_accepted == model_drafted else max(1, gamma - 1)
-        # -- commit / roll back --------------------------------------------------------------------------------
-        accepted = draft.tokens[:n]
-        if accepted and accepted[-1] == eos:  # EOS inside the window: accept through it and finish
-            state.rollback(consumed - (n - 1))
-            tokens.extend(accepted[:-1])
-            stop = "eos"
+        num_drafted, num_model_accepted = stats.record_window(draft.forced, num_accepted)
+        if adaptive and num_drafted:
+            gamma = drafter.adapt_num_draft_tokens(gamma, num_drafted, num_model_accepted, max_num_draft_tokens)
+        new_tokens, stop_reason = commit(state, target, draft, num_accepted, bonus, base, run.eos)
+        tokens.extend(new_tokens)
+        if stop_reason is not None:
+            stop = stop_reason
             break
-        state.rollback(consumed - n)
-        tokens.extend(accepted)
-        seq.extend(accepted)
-        if bonus is None:  # all accepted and the grammar is complete: nothing may follow
-            stop = "grammar"
-            break
-        if bonus == eos:
-            stop = "eos"
-            break
-        state.consume(bonus)
-        tokens.append(bonus)
-        seq.append(bonus)
-        target.crop(base + 1 + n)  # keep cur + accepted drafts; bonus becomes the new cur
+        seq.extend(new_tokens)
         if needs_hidden:  # the verify forward's states of cur + accepted drafts seed the next draft round
-            drafter.observe(hidden[: n + 1], accepted + [bonus], base)
-        cur = bonus
+            drafter.observe(hidden[: num_accepted + 1], new_tokens, base)
+        cur = new_tokens[-1]
         if on_step is not None:
             on_step(tokens)
-    stats.new_tokens = len(tokens)
-    stats.mask_seconds = state.mask_seconds - mask0
-    stats.seconds = time.perf_counter() - t_start
-    return DecodeResult(tokens, _detok(tokens, state, tokenizer), stop, stats)
+    return finish_decode(run, tokens, stop, state, tokenizer)

@@ -61,6 +61,24 @@ class DecodeStats:
         self.drafted_by_position[position] += 1
         self.accepted_by_position[position] += int(accepted)
 
+    def record_window(self, forced: list[bool], num_accepted: int) -> tuple[int, int]:
+        """Count one verified draft window: ``forced[j]`` says whether draft token j was schema-forced, and the
+        first ``num_accepted`` draft tokens were accepted. Drafter positions up to the first rejection are recorded
+        by position (later ones were never judged). Returns ``(drafter tokens, drafter tokens accepted)``."""
+        position = drafted = accepted = 0
+        for j, is_forced in enumerate(forced):
+            if is_forced:
+                self.forced += int(j < num_accepted)
+                continue
+            drafted += 1
+            accepted += int(j < num_accepted)
+            if j <= num_accepted:
+                self.record_position(position, j < num_accepted)
+            position += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        return drafted, accepted
+
     def __add__(self, other: "DecodeStats") -> "DecodeStats":
         out = DecodeStats()
         for f in fields(self):
