@@ -14,7 +14,7 @@ import json
 from typing import Any, Iterable
 
 from constraints import lark_grammar, lark_json
-from schemas import Tool, ToolCallError, ToolRegistry, call_schema
+from schemas import Tool, ToolCallError, ToolRegistry, bound_scalars, call_schema
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -132,34 +132,6 @@ def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool
             rules.append("answer: TEXT\nTEXT: /[^\\s](.|\\n)*/")
         start.append("answer")
     return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
-
-
-def bound_scalars(schema: dict, max_string_length: int | None = None, max_decimals: int | None = None) -> dict:
-    """A copy of ``schema`` whose unbounded scalars are bounded (for the grammar only; outputs stay valid).
-
-    Strings with no ``maxLength``/``enum``/``const``/``pattern``/``format`` get ``maxLength: max_string_length``.
-    With ``max_decimals``, numbers with no ``multipleOf`` get ``multipleOf: 10**-max_decimals`` (at most that many
-    decimals, no exponent) and numbers and integers without bounds get ``|x| <= 1e15``. A small model can then not
-    run away inside a value (seen on SmolLM2-135M: ``"3.0000…"`` until the token budget ran out).
-    """
-    import copy
-
-    from schemas.check import walk
-
-    schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
-        t = node.get("type")
-        if t == "string" and max_string_length is not None and not any(
-                k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
-            node["maxLength"] = max_string_length
-        if t in ("number", "integer") and max_decimals is not None and not any(k in node for k in ("enum", "const")):
-            if t == "number" and "multipleOf" not in node:
-                node["multipleOf"] = 10.0 ** -max_decimals
-            if not any(k in node for k in ("maximum", "exclusiveMaximum")):
-                node["maximum"] = 10 ** 15
-            if not any(k in node for k in ("minimum", "exclusiveMinimum")):
-                node["minimum"] = -(10 ** 15)
-    return schema
 
 
 def parse_turn(text: str) -> tuple[list[dict] | None, str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import llguidance
 
-from schemas.check import compile_json_schema
+from .json_schema import compile_json_schema, compile_options
 from schemas.errors import SchemaError, SpecAgentError
 
 
@@ -83,10 +83,8 @@ def lark_json(schema: Any, *, separators: tuple[str, str] = (",", ":"), lenient:
     """
     if not isinstance(schema, dict):
         schema = {} if schema is True else {"not": {}}
-    options = {"whitespace_flexible": False, "item_separator": separators[0], "key_separator": separators[1]}
-    if lenient:
-        options.update(lenient=True, coerce_one_of=True)
-    return "%json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    return "%json " + json.dumps({**schema, "x-guidance": compile_options(separators, lenient=lenient)},
+                                 ensure_ascii=False)
 
 
 __all__ = ["Grammar", "GrammarError", "SchemaError", "json_schema_grammar", "lark_grammar", "lark_json",

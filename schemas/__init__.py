@@ -1,8 +1,10 @@
 """Tool definitions -> JSON Schema, tool registry and output validation (first layer: imports nothing of ours)."""
-from .check import JSON_COMPILE_OPTIONS, check_enforceable, check_valid, compile_json_schema
+from .check import check_enforceable, check_valid, set_enforceability_check
 from .errors import InstanceError, SchemaError, SpecAgentError, ToolCallError, ToolError
-from .registry import ToolRegistry, call_schema, close_objects
+from .narrow import bound_scalars, close_objects
+from .registry import ToolRegistry, call_schema
 from .tool import ResponseFormat, Tool, ToolCall, as_tool
 
-__all__ = ["InstanceError", "JSON_COMPILE_OPTIONS", "ResponseFormat", "SchemaError", "SpecAgentError", "Tool", "ToolCall", "ToolCallError", "ToolError",
-           "ToolRegistry", "as_tool", "call_schema", "close_objects", "check_enforceable", "check_valid", "compile_json_schema"]
+__all__ = ["InstanceError", "ResponseFormat", "SchemaError", "SpecAgentError", "Tool", "ToolCall", "ToolCallError", "ToolError",
+           "ToolRegistry", "as_tool", "bound_scalars", "call_schema", "close_objects", "check_enforceable", "check_valid",
+           "set_enforceability_check"]

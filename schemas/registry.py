@@ -6,6 +6,7 @@ import json
 from typing import Any, Iterable, Iterator
 
 from .errors import ToolCallError, ToolError
+from .narrow import close_objects
 from .tool import Tool, ToolCall, as_tool
 
 
@@ -92,25 +93,6 @@ def call_schema(tools: Iterable[Tool]) -> dict:
     schema: dict[str, Any] = branches[0] if len(branches) == 1 else {"anyOf": branches}
     if defs:
         schema = {**schema, "$defs": defs}
-    return schema
-
-
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-
-
-def close_objects(schema: Any) -> Any:
-    """A copy of ``schema`` where objects that list ``properties`` but say nothing of other keys get
-    ``additionalProperties: false``.
-
-    Used for the grammar only: every output is still valid against the original schema (the language is a subset),
-    and a small model can no longer wander into invented keys. Validation uses the original schema.
-    """
-    schema = copy.deepcopy(schema)
-    from .check import walk
-
-    for _, node in walk(schema):
-        if "properties" in node and not any(k in node for k in _OPEN_KEYS):
-            node["additionalProperties"] = False
     return schema
 
 

@@ -8,6 +8,7 @@ import jsonschema
 import pydantic
 import pytest
 
+import constraints  # noqa: F401  (installs the grammar engine check used by strict registration)
 from schemas import SchemaError, Tool, ToolCallError, ToolError, ToolRegistry, call_schema, close_objects
 from schemas.bfcl import normalize_schema, tool_from_bfcl
 
@@ -191,3 +192,18 @@ def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():
                          (ModelNotFoundError, FileNotFoundError), (MTPError, ValueError),
                          (bench.llamacpp_peer.LlamaCppUnavailable, RuntimeError), (bench.run.SkipMode, Exception)]:
         assert issubclass(cls, SpecAgentError) and issubclass(cls, builtin), cls
+
+
+def test_schemas_imports_no_grammar_engine_and_strict_registration_asks_for_one():
+    import subprocess
+    import sys
+
+    code = ("import sys, schemas\n"
+            "assert 'llguidance' not in sys.modules and 'constraints' not in sys.modules\n"
+            "try:\n    schemas.Tool.from_schema('f', {'type': 'object'})\nexcept schemas.SpecAgentError as e:\n"
+            "    assert 'import constraints' in str(e)\nelse:\n    raise SystemExit('strict without an engine passed')\n"
+            "import constraints\n"
+            "schemas.Tool.from_schema('f', {'type': 'object'})\n"
+            "try:\n    schemas.Tool.from_schema('g', {'not': {'type': 'null'}})\nexcept schemas.SchemaError:\n    pass\n"
+            "else:\n    raise SystemExit('not was accepted')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,228 @@
+"""JSON Schema → llguidance grammar: the compile options table, compilation, the strict enforceability check and the
+translation of llguidance's error strings into :class:`schemas.SchemaError` (keyword + JSON pointer + advice).
+
+This is the only place that compiles a JSON Schema; ``schemas`` knows JSON Schema only and gets
+:func:`check_enforceable` injected for strict registration (installed by ``constraints/__init__.py``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import llguidance
+
+from schemas.check import find_keyword, walk
+from schemas.errors import SchemaError, json_pointer
+
+# What strict mode tells the user to do, per keyword.
+_ADVICE = ("remove the keyword, rewrite it with enforceable keywords (enum, const, anyOf, pattern, minimum…), or "
+           "register with strict=False to relax it in the grammar and validate every output afterwards")
+
+
+
+def compile_options(separators: tuple[str, str] = (",", ":"), *, lenient: bool = False) -> dict:
+    """The llguidance JSON options (``x-guidance``) of every JSON grammar in the project: fixed ``(item, key)``
+    separators and no free whitespace (a model cannot loop on whitespace), so serialisation is canonical;
+    ``lenient`` relaxes keywords the grammar cannot enforce (the caller validates outputs) and treats ``oneOf`` as
+    ``anyOf``."""
+    options: dict[str, Any] = {"whitespace_flexible": False, "item_separator": separators[0],
+                               "key_separator": separators[1]}
+    if lenient:
+        options.update(lenient=True, coerce_one_of=True)
+    return options
+
+
+# compact: json.dumps(x, separators=(",", ":"))
+JSON_COMPILE_OPTIONS = compile_options()
+LENIENT_COMPILE_OPTIONS = compile_options(lenient=True)
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = None) -> SchemaError:
+    """Turn an llguidance compile error into a :class:`SchemaError` with keywords and pointers."""
+    m = _UNIMPLEMENTED.search(message)
+    if m:
+        keywords = json.loads("[" + m.group(1) + "]")
+        problems = []
+        for kw in keywords:
+            for pointer in find_keyword(schema, kw) or [""]:
+                problems.append((pointer, kw, f"keyword {kw!r} at {pointer or '/'} cannot be enforced by the grammar"))
+        where = ", ".join(f"{kw!r} at {p or '/'}" for p, kw, _ in problems)
+        return SchemaError(f"schema uses keywords the grammar cannot enforce: {where}; {_ADVICE}",
+                           pointer=problems[0][0], keyword=problems[0][1], tool=tool, problems=problems)
+    if "oneOf" in message:
+        ptrs = find_keyword(schema, "oneOf")
+        p = ptrs[0] if ptrs else ""
+        more = f" (the schema has {len(ptrs)} oneOf: {', '.join(ptrs[:5])}{'…' if len(ptrs) > 5 else ''})" \
+            if len(ptrs) > 1 else ""
+        problems = [(q, "oneOf", f"keyword 'oneOf' at {q} may not be enforceable exactly") for q in ptrs]
+        return SchemaError(f"keyword 'oneOf' at {p or '/'} cannot be enforced exactly (branches may overlap){more}; "
+                           f"use anyOf with disjoint branches, or {_ADVICE.split(', or ')[-1]}",
+                           pointer=p, keyword="oneOf", tool=tool, problems=problems or None)
+    fm = _UNKNOWN_FORMAT.search(message)
+    if fm:
+        ptrs = [json_pointer(path + ("format",)) for path, node in walk(schema) if node.get("format") == fm.group(1)]
+        p = ptrs[0] if ptrs else ""
+        return SchemaError(f"keyword 'format' at {p or '/'}: format {fm.group(1)!r} is not one the grammar enforces "
+                           f"(date-time, date, time, duration, email, hostname, ipv4, ipv6, uuid, uri); use a "
+                           f"pattern, or {_ADVICE.split(', or ')[-1]}", pointer=p, keyword="format", tool=tool,
+                           problems=[(q, "format", f"unknown format at {q}") for q in ptrs] or None)
+    if _RESOURCE.search(message) or any(k in message for k in _COMPILE_ERRORS):
+        return compile_error_to_schema_error(schema, message, tool=tool)
+    for kw in ("pattern", "format", "$ref", "type", "enum", "const"):
+        if kw in message or (kw == "$ref" and "Pointer" in message):
+            ptrs = find_keyword(schema, kw)
+            p = ptrs[0] if ptrs else ""
+            return SchemaError(f"cannot compile schema (keyword {kw!r} near {p or '/'}): {message.strip()}",
+                               pointer=p, keyword=kw, tool=tool)
+    return compile_error_to_schema_error(schema, message, tool=tool)
+
+
+_COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+                   "minContains", "maxContains")
+
+
+def _normalise_counts(schema: Any) -> Any:
+    """``schema`` with integral floats in count keywords (``"maxItems": 2.0``) made ints, which llguidance requires
+    (same meaning in every draft since 06). The input is not modified; it is returned as is when nothing changes."""
+    if not any(isinstance(node.get(k), float) for _, node in walk(schema) for k in _COUNT_KEYWORDS):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        for k in _COUNT_KEYWORDS:
+            v = node.get(k)
+            if isinstance(v, float) and v.is_integer():
+                node[k] = int(v)
+    return schema
+
+
+_QUOTED_KEYWORD = re.compile(r"'(\$?[A-Za-z]+)'")
+_PROCESSING = re.compile(r"while processing \S*#(\S*)")
+_RESOURCE = re.compile(r"Resource '([^']+)' is not present")
+_CIRCULAR = re.compile(r"circular references with sibling keys are not supported: \S*#(\S*)")
+_COMPILE_ERRORS = ("Unsatisfiable", "look-around", "lookaround", "regex parse error", "circular references",
+                   "schema too large", "stack level exceeded")
+
+
+def _unquote(fragment: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(fragment)
+
+
+def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = None) -> SchemaError:
+    """Turn an llguidance error raised while building the grammar into a :class:`SchemaError` naming the keyword
+    and pointer (remote ``$ref`` targets, unsatisfiable subschemas, out-of-range keyword values)."""
+    message = message.strip()
+    m = _RESOURCE.search(message)
+    if m:
+        uri = m.group(1)
+        ptrs = [json_pointer(p + ("$ref",)) for p, node in walk(schema)
+                if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#")]
+        p = ptrs[0] if ptrs else ""
+        return SchemaError(f"$ref at {p or '/'} points outside this schema ({uri}); remote references are never "
+                           f"fetched: inline the target under $defs", pointer=p, keyword="$ref", tool=tool)
+    m = _PROCESSING.search(message)
+    where = _unquote(m.group(1)) if m else None
+    if "look-around" in message or "lookaround" in message or "regex parse error" in message:
+        hits = [(json_pointer(path + ("pattern",)), "pattern") for path, node in walk(schema)
+                if isinstance(node.get("pattern"), str) and node["pattern"] in message]
+        hits += [(json_pointer(path + ("patternProperties", k)), "patternProperties") for path, node in walk(schema)
+                 if isinstance(node.get("patternProperties"), dict) for k in node["patternProperties"] if k in message]
+        if not hits:  # llguidance shows the regex rewritten (\d -> [0-9]): fall back to look-around syntax
+            look = re.compile(r"\(\?<?[=!]")
+            hits = [(json_pointer(path + ("pattern",)), "pattern") for path, node in walk(schema)
+                    if isinstance(node.get("pattern"), str) and look.search(node["pattern"])]
+            hits += [(json_pointer(path + ("patternProperties", k)), "patternProperties")
+                     for path, node in walk(schema) if isinstance(node.get("patternProperties"), dict)
+                     for k in node["patternProperties"] if look.search(k)]
+        p, kw = hits[0] if hits else (where or "", "pattern")
+        why = "look-around and anchors inside the pattern are not supported by the grammar's regex engine" \
+            if "look" in message else "the regular expression does not parse"
+        return SchemaError(f"keyword {kw!r} at {p or '/'} cannot be enforced: {why}; rewrite the regex without "
+                           f"look-around, or {_ADVICE.split(', or ')[-1]} ({message.splitlines()[0]})",
+                           pointer=p, keyword=kw, tool=tool)
+    m = _CIRCULAR.search(message)
+    if m:
+        p = _unquote(m.group(1))
+        return SchemaError(f"$ref cycle through {p or '/'} with sibling keywords next to $ref cannot be compiled; "
+                           f"move the siblings into an allOf or into the target", pointer=p, keyword="$ref", tool=tool)
+    if "schema too large" in message or "stack level exceeded" in message:
+        kw = "allOf" if "intersection" in message else "size"
+        return SchemaError(f"schema too large or too deeply intersected for the grammar compiler ({message.splitlines()[0]});"
+                           f" split it into smaller tools or flatten allOf", pointer=where or "", keyword=kw, tool=tool)
+    if "Unsatisfiable" in message:
+        p = where or ""
+        return SchemaError(f"schema at {p or '/'} admits no value ({message.splitlines()[0]}): nothing can be "
+                           f"generated; fix the contradiction", pointer=p, keyword="unsatisfiable", tool=tool)
+    m = _QUOTED_KEYWORD.search(message)
+    if m or "min/maxProperties" in message:
+        kw = m.group(1) if m else next((k for k in ("minProperties", "maxProperties") if find_keyword(schema, k)),
+                                       "minProperties")
+        ptrs = find_keyword(schema, kw)
+        p = ptrs[0] if ptrs else (where or "")
+        return SchemaError(f"cannot compile schema: keyword {kw!r} at {p or '/'}: {message}", pointer=p,
+                           keyword=kw, tool=tool)
+    return SchemaError(f"cannot compile schema: {message}", pointer=where or "", tool=tool)
+
+
+def check_exact_extras(schema: Any, tool: str | None = None) -> None:
+    """Raise :class:`SchemaError` for constructs llguidance compiles but does not enforce exactly.
+
+    ``minProperties`` above the number of required keys, on an object that allows undeclared keys: the grammar
+    counts keys as written and cannot stop an undeclared key from repeating, so ``{"b":1,"b":2}`` passes
+    ``minProperties: 2`` but parses to one key.
+    """
+    problems = []
+    for path, node in walk(schema):
+        m = node.get("minProperties")
+        if not isinstance(m, (int, float)) or isinstance(m, bool):
+            continue
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        closed = node.get("additionalProperties") is False and not node.get("patternProperties")
+        if m > len(set(required)) and not closed:
+            pointer = json_pointer(path + ("minProperties",))
+            problems.append((pointer, "minProperties",
+                             f"keyword 'minProperties' at {pointer} cannot be enforced exactly: a repeated "
+                             f"undeclared key would count twice; list the keys in properties/required with "
+                             f"additionalProperties: false"))
+    if problems:
+        where = ", ".join(f"{kw!r} at {p}" for p, kw, _ in problems)
+        raise SchemaError(f"schema uses keywords the grammar cannot enforce: {where} (a repeated undeclared key "
+                          f"would count twice); {_ADVICE}", pointer=problems[0][0], keyword="minProperties",
+                          tool=tool, problems=problems)
+
+
+def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None = None) -> str:
+    """Compile a JSON Schema to an llguidance grammar (JSON text); raise :class:`SchemaError` when it cannot.
+
+    Strict: unimplemented keywords (``not``, ``if``, ``uniqueItems``…) are errors naming their pointers.
+    Lenient: they are ignored by the grammar (the caller must validate outputs).
+    """
+    options = LENIENT_COMPILE_OPTIONS if lenient else JSON_COMPILE_OPTIONS
+    if not lenient:
+        check_exact_extras(schema, tool=tool)
+    if schema is True:
+        schema = {}
+    elif schema is False:
+        raise SchemaError("schema false admits no value: nothing can be generated", keyword="false", tool=tool)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_normalise_counts(schema), overrides=options)
+    except ValueError as e:
+        raise compile_error_to_schema_error(schema, str(e), tool=tool) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise grammar_error_to_schema_error(schema, messages[0], tool=tool)
+    return grammar
+
+
+def check_enforceable(schema: Any, tool: str | None = None) -> None:
+    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration)."""
+    compile_json_schema(schema, lenient=False, tool=tool)
+
+
