@@ -16,13 +16,19 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from schemas import Tool, ToolCallError, ToolRegistry
 from schemas.bfcl import tool_from_bfcl
+
+from .format import parse_turn, render_prompt, turn_grammar
 
 CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple")
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "bfcl"
+MAX_STRING_LENGTH = 200  # grammar cap on unbounded argument strings (characters): ``--max-string-length``
+MAX_DECIMALS = 8  # grammar bound on numbers (decimals, |x| <= 1e15): ``--max-decimals``
 
 
 def find_file(category: str, data_dir: str | Path | None = None) -> Path:
@@ -100,41 +106,85 @@ def score(calls: list[dict], ground_truth: list[dict], code_strings: bool = Fals
     return True
 
 
+@dataclass
+class BfclTurn:
+    """One BFCL question as the CLI, the benchmark and MTP training decode it: one required tool call, no
+    parallel calls, strings and numbers bounded in the grammar.
+
+    Attributes:
+        id: the question id (``simple_python_0``).
+        category: its BFCL category.
+        tools: its functions as tools (BFCL's dialect converted; lenient: every output is validated).
+        messages: the chat messages of the question (all turns flattened).
+        ground_truth: BFCL's acceptable calls (None when the row has none).
+        code_strings: Java/JavaScript: ``any`` parameters are source-code strings (see :func:`score`).
+    """
+
+    id: str
+    category: str
+    tools: list[Tool]
+    messages: list[dict]
+    ground_truth: list[dict] | None
+    code_strings: bool
+
+    def registry(self) -> ToolRegistry:
+        """The tools registered leniently (as the bfcl CLI's Agent registers them)."""
+        return ToolRegistry(self.tools, strict=False)
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        """Prompt token ids (chat template applied, tools in the system message), as ``Agent.run`` renders them."""
+        return render_prompt(tokenizer, self.messages, self.tools)
+
+    def grammar(self, tool_choice: str = "required", *, max_string_length: int | None = MAX_STRING_LENGTH,
+                max_decimals: int | None = MAX_DECIMALS):
+        """The turn grammar ``Agent.run`` builds for this question (one call, no parallel calls)."""
+        return turn_grammar(self.tools, tool_choice, parallel=False, max_string_length=max_string_length,
+                            max_decimals=max_decimals)
+
+    def judge(self, text: str, truncated: bool, registry: ToolRegistry) -> tuple[bool, bool]:
+        """``(valid, correct)`` of one decoded turn: valid = not cut by the token budget, parses into at least one
+        call and every call validates against its tool; correct = valid and :func:`score` matches the ground
+        truth."""
+        if truncated:
+            return False, False
+        try:
+            calls, _ = parse_turn(text)
+            calls = calls or []
+            for c in calls:
+                registry.parse_call(c)
+            valid = bool(calls)
+            return valid, valid and self.ground_truth is not None and score(calls, self.ground_truth,
+                                                                            self.code_strings)
+        except (ValueError, ToolCallError):
+            return False, False
+
+
+def bfcl_turn(row: dict, category: str) -> BfclTurn:
+    """The :class:`BfclTurn` of one BFCL JSON-lines ``row`` of ``category``."""
+    code_strings = category in ("simple_java", "simple_javascript")
+    return BfclTurn(row["id"], category, [tool_from_bfcl(fn, code_strings=code_strings) for fn in row["function"]],
+                    [m for turn in row["question"] for m in turn], row.get("ground_truth"), code_strings)
+
+
 def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir: str | None = None,
              drafter: str | None = None, max_new_tokens: int = 256, out=print) -> dict:
     """Run BFCL questions; print ``ID<TAB>VALID<TAB>CORRECT<TAB>OUTPUT`` per question and return the summary.
 
     ``agent_factory(tools) -> Agent``. Each question is a required tool call (BFCL expects one), one call per turn.
     """
-    from schemas.errors import ToolCallError
-
-    from .format import parse_turn
-
     if category not in CATEGORIES:
         raise ValueError(f"unknown BFCL category {category!r}; choose one of {', '.join(CATEGORIES)}")
-    code_strings = category in ("simple_java", "simple_javascript")
     rows = load_questions(category, data_dir, limit)
     n_valid = n_correct = 0
     total_stats = None
     t0 = time.perf_counter()
     for row in rows:
-        tools = [tool_from_bfcl(fn, code_strings=code_strings) for fn in row["function"]]
-        agent = agent_factory(tools)
-        messages = [m for turn in row["question"] for m in turn]
-        res = agent.run(messages, tool_choice="required", parallel_tool_calls=False, max_steps=1,
+        turn = bfcl_turn(row, category)
+        agent = agent_factory(turn.tools)
+        res = agent.run(turn.messages, tool_choice="required", parallel_tool_calls=False, max_steps=1,
                         max_new_tokens=max_new_tokens, drafter=drafter)
         text = res.raw_turns[-1] if res.raw_turns else ""
-        valid = correct = False
-        if not res.truncated:
-            try:
-                calls, _ = parse_turn(text)
-                calls = calls or []
-                for c in calls:
-                    agent.registry.parse_call(c)
-                valid = bool(calls)
-                correct = valid and score(calls, row["ground_truth"], code_strings)
-            except (ValueError, ToolCallError):
-                valid = False
+        valid, correct = turn.judge(text, res.truncated, agent.registry)
         n_valid += valid
         n_correct += correct
         total_stats = res.stats if total_stats is None else total_stats + res.stats

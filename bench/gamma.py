@@ -33,8 +33,10 @@ import torch
 
 from decoding import DRAFTERS, LoadedModel, load_model
 
-from .run import (DEFAULT_OUT, Bench, Run, SkipMode, acceptance_by_position, add_model_args, build_prompts,
-                  categories, load_rows, machine_meta)
+from .aggregate import acceptance_by_position
+from .modes import Bench, Run, SkipMode, build_prompts
+from .report import machine_meta
+from .run import DEFAULT_OUT, add_model_args, categories, load_rows
 
 
 def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:

@@ -32,19 +32,17 @@ from decoding.mtp import MTPHead, save_head, target_sha256  # noqa: E402
 
 def build_sequences(loaded, rows, *, text_every: int = 3, max_new_tokens: int = 160) -> list[dict]:
     """Generate the target's own outputs for BFCL rows: ``[{"tokens", "prompt_len"}]``."""
-    from agent.format import render_prompt, turn_grammar
+    from agent.bfcl import bfcl_turn
     from decoding import Generator
-    from schemas.bfcl import tool_from_bfcl
 
     gen = Generator(loaded, drafter="lookup")
     out = []
     for i, row in enumerate(rows):
-        tools = [tool_from_bfcl(fn) for fn in row["function"]]
-        messages = [m for turn in row["question"] for m in turn]
-        ids = render_prompt(loaded.tokenizer, messages, tools)
+        turn = bfcl_turn(row, "simple_python")  # Python typing for every row (the multiple category is Python too)
+        ids = turn.prompt_ids(loaded.tokenizer)
         modes = ["required"] + (["none"] if (i + 1) % text_every == 0 else [])
         for mode in modes:
-            grammar = turn_grammar(tools, mode, parallel=False, max_string_length=200, max_decimals=8)
+            grammar = turn.grammar(mode)
             res = gen.generate(ids, grammar, max_new_tokens=max_new_tokens if mode == "required" else 48)
             out.append({"tokens": ids + res.tokens, "prompt_len": len(ids), "id": row["id"], "mode": mode})
         if (i + 1) % 10 == 0:

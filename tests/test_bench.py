@@ -24,7 +24,7 @@ def bench_out(tiny_target, tmp_path_factory):
 
 
 def test_bench_writes_results_with_every_field(bench_out):
-    from bench.run import FIELDS
+    from bench.aggregate import FIELDS
 
     for name in ("results.json", "results.md", "speedup.png", "per_prompt.jsonl"):
         assert (bench_out / name).stat().st_size > 0, name

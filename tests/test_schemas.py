@@ -182,7 +182,7 @@ def test_bfcl_java_any_becomes_a_code_string_and_java_types_map():
 
 def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():
     import bench.llamacpp_peer
-    import bench.run
+    import bench.modes
     from constraints import ConstraintError, GrammarError
     from decoding import ModelNotFoundError, MTPError
     from schemas import InstanceError, SchemaError, SpecAgentError, ToolCallError, ToolError
@@ -190,7 +190,7 @@ def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():
     for cls, builtin in [(SchemaError, ValueError), (ToolError, ValueError), (ToolCallError, ValueError),
                          (InstanceError, ValueError), (GrammarError, ValueError), (ConstraintError, RuntimeError),
                          (ModelNotFoundError, FileNotFoundError), (MTPError, ValueError),
-                         (bench.llamacpp_peer.LlamaCppUnavailable, RuntimeError), (bench.run.SkipMode, Exception)]:
+                         (bench.llamacpp_peer.LlamaCppUnavailable, RuntimeError), (bench.modes.SkipMode, Exception)]:
         assert issubclass(cls, SpecAgentError) and issubclass(cls, builtin), cls
 
 
