@@ -44,16 +44,6 @@ class BenchPrompt:
     call_schema: dict
 
 
-def load_rows(categories: list[str], data_dir: str | None, limit: int | None) -> list[tuple[str, dict]]:
-    """``(category, row)`` for the first ``limit`` questions of each category."""
-    out = []
-    for cat in categories:
-        if cat not in CATEGORIES:
-            raise SystemExit(f"unknown BFCL category {cat!r}; choose from {', '.join(CATEGORIES)}")
-        out.extend((cat, row) for row in load_questions(cat, data_dir, limit))
-    return out
-
-
 def build_prompts(tokenizer, rows: list[tuple[str, dict]]) -> list[BenchPrompt]:
     """Tools, prompt ids and turn grammar per row, exactly as ``agent.bfcl.run_bfcl`` with the bfcl CLI's Agent
     (:func:`agent.bfcl.bfcl_turn`)."""

@@ -56,21 +56,21 @@ def _json_cached(canonical: str, lenient: bool) -> Grammar:
 @functools.lru_cache(maxsize=256)
 def lark_grammar(lark: str) -> Grammar:
     """Compile a Lark grammar (llguidance dialect: ``%json {...}`` embeds a JSON Schema). Raises GrammarError."""
-    text = llguidance.LLMatcher.grammar_from_lark(lark)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
-    if is_error:
-        raise GrammarError(f"Lark grammar does not compile: {messages[0]}")
-    return Grammar(text, "lark", hashlib.sha256(lark.encode()).hexdigest())
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "lark", lark, "Lark grammar")
 
 
 @functools.lru_cache(maxsize=256)
 def regex_grammar(regex: str) -> Grammar:
     """Compile a regular expression (no look-around). Raises GrammarError."""
-    text = llguidance.LLMatcher.grammar_from_regex(regex)
+    return _checked(llguidance.LLMatcher.grammar_from_regex(regex), "regex", regex, "regex")
+
+
+def _checked(text: str, kind: str, source: str, what: str) -> Grammar:
+    """The :class:`Grammar` of llguidance's ``text`` compiled from ``source``, or GrammarError naming ``what``."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if is_error:
-        raise GrammarError(f"regex does not compile: {messages[0]}")
-    return Grammar(text, "regex", hashlib.sha256(regex.encode()).hexdigest())
+        raise GrammarError(f"{what} does not compile: {messages[0]}")
+    return Grammar(text, kind, hashlib.sha256(source.encode()).hexdigest())
 
 
 def lark_json(schema: Any, *, separators: tuple[str, str] = (",", ":"), lenient: bool = False) -> str:

@@ -55,8 +55,7 @@ class MTPHead(nn.Module):
         self.hidden_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         self.embed_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
-        block_cfg = cfg.__class__.from_dict(cfg.to_dict())
-        block_cfg._attn_implementation = "sdpa"
+        block_cfg = cfg.__class__.from_dict(cfg.to_dict(), attn_implementation="sdpa")
         self.block = LlamaDecoderLayer(block_cfg, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(block_cfg)
         self.__dict__["_target"] = target  # shared, not a submodule: never saved, never trained, never copied

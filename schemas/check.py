@@ -85,7 +85,7 @@ def _multiple_of(validator, divisor, instance, schema):
             ctx.traps[decimal.Inexact] = True
             failed = decimal.Decimal(repr(instance)) % decimal.Decimal(repr(divisor)) != 0
     except (decimal.DecimalException, ValueError):  # a quotient beyond 1000 digits: fall back to jsonschema's
-        yield from jsonschema._keywords.multipleOf(validator, divisor, instance, schema)
+        yield from jsonschema.Draft202012Validator.VALIDATORS["multipleOf"](validator, divisor, instance, schema)
         return
     if failed:
         yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
