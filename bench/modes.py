@@ -13,11 +13,14 @@ from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
 from decoding import DRAFTERS, Generator, LoadedModel, ModelNotFoundError
 from schemas import SpecAgentError, ToolRegistry, bound_scalars, call_schema
 
-MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model", "hf_assisted_constrained",
-         "llamacpp_constrained", "best")
-OUR_DRAFTERS = {"constrained": "none", "forced": "forced", "lookup": "lookup", "mtp": "mtp",
-                "draft_model": "draft_model", "best": None}  # None: the Generator's default (DEFAULT_DRAFTER)
 BASELINE = "constrained"
+# one mode per row of decoding's drafter table (``none`` is the baseline), and ``best``: the Generator's default
+OUR_DRAFTERS: dict[str, str | None] = {**{BASELINE if name == "none" else name: name for name in DRAFTERS},
+                                       "best": None}
+MODES = ("hf_unconstrained", *(m for m in OUR_DRAFTERS if m != "best"), "hf_assisted_constrained",
+         "llamacpp_constrained", "best")
+DEFAULT_MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model",
+                 "hf_assisted_constrained", "llamacpp_constrained", "best")
 
 
 class SkipMode(SpecAgentError):
@@ -132,8 +135,6 @@ class Bench:
     # -- per-mode setup (raises SkipMode) ------------------------------------------------------------------------------
     def check(self, mode: str) -> None:
         """Raise :class:`SkipMode` when ``mode`` cannot run here."""
-        if mode == "mtp" and "mtp" not in DRAFTERS:
-            raise SkipMode(f"decoding has no 'mtp' drafter (DRAFTERS = {', '.join(DRAFTERS)})")
         if mode == "draft_model" and self.draft_loaded is None:
             raise SkipMode(self.draft_error or "no draft model")
         if mode == "llamacpp_constrained" and self._llamacpp is None:

@@ -16,6 +16,8 @@ Modes:
                              with ``--draft-model``) and an llguidance logits processor (bench/hf_peer.py).
     llamacpp_constrained     llama-cpp-python on the same GGUF, GBNF from the call schema (skipped without llama_cpp).
     best                     the agent's default configuration (``decoding.DEFAULT_DRAFTER``, default γ).
+    (any other row of ``decoding.DRAFTERS``, e.g. ``schema``, ``lookup_mtp``: speculative with that drafter; not in
+    the default ``--modes``)
 
 Per mode (``results.json``, one object per mode, plus ``meta``):
     tokens_per_s             median over prompts of the per-prompt median over repeats; tokens = emitted tokens
@@ -49,10 +51,10 @@ from typing import Any, Callable
 import torch
 
 from agent.bfcl import CATEGORIES, load_questions
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, LoadedModel, ModelNotFoundError, load_model
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, LoadedModel, ModelNotFoundError, MTPError, load_model
 
 from .aggregate import aggregate, peak_rss_mb
-from .modes import BASELINE, MODES, Bench, BenchPrompt, Run, SkipMode, build_prompts
+from .modes import BASELINE, DEFAULT_MODES, MODES, Bench, BenchPrompt, Run, SkipMode, build_prompts
 from .report import machine_meta, write_outputs
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -109,7 +111,7 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
             active.append(m)
         except SkipMode as e:
             skipped[m] = str(e)
-        except (ModelNotFoundError, FileNotFoundError, NotImplementedError) as e:
+        except (ModelNotFoundError, FileNotFoundError, NotImplementedError, MTPError) as e:
             skipped[m] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - optional modes (mtp/draft_model/llama.cpp) may fail to load
             if m in ("mtp", "draft_model", "llamacpp_constrained"):
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     ``--draft-model``."""
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     add_model_args(ap)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"comma list of: {', '.join(MODES)} (default: {', '.join(DEFAULT_MODES)})")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="γ for forced/lookup/mtp/draft_model and HF's "
                                                                     "assistant (best uses the default γ)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
