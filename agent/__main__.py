@@ -9,6 +9,8 @@ import time
 
 from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS
 
+from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF directory or .gguf path (default: smollm2)")
@@ -112,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--category", default="simple_python")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
-    p.add_argument("--max-string-length", type=int, default=200,
+    p.add_argument("--max-string-length", type=int, default=MAX_STRING_LENGTH,
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
-    p.add_argument("--max-decimals", type=int, default=8,
+    p.add_argument("--max-decimals", type=int, default=MAX_DECIMALS,
                    help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
     p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
     args = ap.parse_args(argv)
