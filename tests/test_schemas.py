@@ -195,6 +195,7 @@ def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():
 
 
 def test_schemas_imports_no_grammar_engine_and_strict_registration_asks_for_one():
+    # with the engine installed (this process), strict registration rejects 'not': tests/test_conformance.py
     import subprocess
     import sys
 
@@ -202,8 +203,5 @@ def test_schemas_imports_no_grammar_engine_and_strict_registration_asks_for_one(
             "assert 'llguidance' not in sys.modules and 'constraints' not in sys.modules\n"
             "try:\n    schemas.Tool.from_schema('f', {'type': 'object'})\nexcept schemas.SpecAgentError as e:\n"
             "    assert 'import constraints' in str(e)\nelse:\n    raise SystemExit('strict without an engine passed')\n"
-            "import constraints\n"
-            "schemas.Tool.from_schema('f', {'type': 'object'})\n"
-            "try:\n    schemas.Tool.from_schema('g', {'not': {'type': 'null'}})\nexcept schemas.SchemaError:\n    pass\n"
-            "else:\n    raise SystemExit('not was accepted')\n")
+            "schemas.Tool.from_schema('f', {'not': {'type': 'null'}}, strict=False)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
