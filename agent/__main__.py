@@ -8,6 +8,26 @@ import sys
 import time
 
 from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS
+from schemas import SpecAgentError
+
+
+class UserError(SpecAgentError):
+    """A mistake in the command line or its inputs: printed as one line, exit status 2 (no traceback)."""
+
+
+def tool_choice_arg(text: str):
+    """``--tool-choice``: ``auto``, ``required``, ``none`` or a JSON object naming a tool, ``{"name": "x"}``."""
+    if text in ("auto", "required", "none"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    name = value.get("name") or (value.get("function") or {}).get("name") if isinstance(value, dict) else None
+    if not isinstance(name, str):
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto, required, none or a JSON object naming a tool, "
+                                         f"e.g. '{{\"name\": \"get_weather\"}}'")
+    return {"name": name}
 
 from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH
 
@@ -65,13 +85,29 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    mod_name, _, attr = args.tools.partition(":")
-    if not attr:
-        raise SystemExit("--tools takes MODULE:OBJ (a list of tools, or one tool)")
+def load_tools(spec: str) -> list:
+    """The tools named by ``--tools MODULE:OBJ`` (a list of tools, or one tool). Raises :class:`UserError`."""
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise UserError(f"--tools {spec!r}: use MODULE:OBJ, e.g. examples.my_tools:TOOLS")
     sys.path.insert(0, ".")
-    obj = getattr(importlib.import_module(mod_name), attr)
-    tools = obj if isinstance(obj, (list, tuple)) else [obj]
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"--tools {spec!r}: cannot import module {mod_name!r} ({e})") from None
+    if not hasattr(module, attr):
+        raise UserError(f"--tools {spec!r}: module {mod_name!r} has no {attr!r}")
+    obj = getattr(module, attr)
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def cmd_run(args) -> int:
+    from schemas import ToolRegistry
+
+    from .format import filter_tools
+
+    tools = load_tools(args.tools)
+    filter_tools(ToolRegistry(tools), args.tool_choice)  # an unknown tool name fails before the model loads
     agent = _agent(args, tools)
     res = agent.run(args.prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
     _print_run(args.prompt, res)
@@ -101,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="three example tools, three prompts, on the default model")
     _common(p)
-    p.add_argument("--tool-choice", default="required", help="auto | required | none (first turn)")
+    p.add_argument("--tool-choice", default="required", type=tool_choice_arg,
+                   help='auto | required | none | \'{"name": "TOOL"}\' (first turn)')
     p.set_defaults(fn=cmd_demo, max_new_tokens=96)
     p = sub.add_parser("run", help="run your own tools: --tools MODULE:OBJ 'prompt'")
     _common(p)
     p.add_argument("--tools", required=True)
-    p.add_argument("--tool-choice", default="auto")
+    p.add_argument("--tool-choice", default="auto", type=tool_choice_arg,
+                   help='auto | required | none | \'{"name": "TOOL"}\' (first turn)')
     p.add_argument("prompt")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("bfcl", help="BFCL questions; prints ID, VALID, CORRECT, OUTPUT and a JSON summary")
@@ -120,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
     p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (SpecAgentError, ValueError) as e:  # user errors (bad tools, model, choice, prompt): one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

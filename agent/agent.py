@@ -41,6 +41,8 @@ class RunResult:
         pending_calls: calls of tools with no Python callable, returned for the caller to run.
         truncated: a turn hit its token budget: a partial tool call or structured output is never returned; a
             partial text answer is returned in ``final_answer``.
+        error: why the run stopped early without raising (a decoded call of a lenient tool that still failed
+            validation after the retries); the transcript and earlier results are kept. None when it did not.
         stats: decode statistics summed over turns.
         steps: assistant turns decoded.
         raw_turns: each turn's decoded text, exactly.
@@ -55,6 +57,7 @@ class RunResult:
     stats: DecodeStats = field(default_factory=DecodeStats)
     steps: int = 0
     raw_turns: list[str] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
@@ -138,13 +141,16 @@ class Agent:
                 the first turn; later turns are ``"auto"`` (so a forced call cannot loop).
             response_format: a pydantic model class or a JSON Schema: the final answer is constrained to it and
                 returned validated in ``RunResult.output`` (a model instance, or the parsed JSON).
-            max_new_tokens: per-turn output budget (tokens).
-            max_total_tokens: budget over all turns of the run (tokens); None: no limit.
+            max_new_tokens: per-turn output budget (tokens, >= 1).
+            max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
             parallel_tool_calls: allow several calls in one turn.
             temperature, top_p, seed: sampling (greedy when temperature is 0).
+        Returns:
+            :class:`RunResult`. A decoded call of a lenient tool that still fails validation after ``max_retries``
+            retries ends the run with ``RunResult.error`` set (the transcript and earlier results are kept).
         Raises:
-            ToolCallError: a supplied message calls an unknown tool or has invalid arguments, or a decoded call of
-                a lenient tool still fails validation after ``max_retries`` retries.
+            ValueError: the prompt is None, empty or not a string / message list, or a budget is below 1.
+            ToolCallError: a supplied message calls an unknown tool or has invalid arguments.
             SchemaError: ``response_format`` is not a valid, enforceable schema.
         """
         return self._run(prompt, lambda event: None, tool_choice=tool_choice, response_format=response_format,
@@ -193,6 +199,7 @@ class Agent:
              max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
              parallel_tool_calls: bool = True, sampling: SamplingParams = SamplingParams(),
              drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
+        _check_budgets(max_new_tokens, max_total_tokens, max_steps)
         messages = self._initial_messages(prompt)
         response = None if response_format is None else ResponseFormat(response_format)
         result = RunResult(messages=messages)
@@ -221,12 +228,15 @@ class Agent:
             logger.info("turn %d: %d tokens, %.2f tokens/forward, acceptance %.2f, %d forced, stop=%s",
                         result.steps, out.stats.new_tokens, out.stats.tokens_per_forward,
                         out.stats.acceptance_rate, out.stats.forced, out.stop_reason)
-            is_call = mode != "none" and out.text.lstrip().startswith("<tool_call>")
+            # "required": the turn is a call, however short; "auto": an answer cannot start with "<" (the grammar's
+            # text rule), so "<" or "<tool_" cut by the budget is the start of a call, never an answer
+            is_call = bool(tools) and (mode == "required" or (mode == "auto" and out.text.startswith("<")))
             if out.truncated:
                 result.truncated = True
                 if not is_call and response is None:  # a cut text answer is still an answer
                     result.final_answer = out.text
                     messages.append({"role": "assistant", "content": out.text})
+                    emit(Event("final_answer", text=out.text))
                 break  # a cut tool call or structured output is never returned
             if not is_call:
                 messages.append({"role": "assistant", "content": out.text})
@@ -239,9 +249,11 @@ class Agent:
             try:
                 validated = [self.registry.parse_call(c) for c in calls]
             except ToolCallError as e:  # possible only for lenient tools: the grammar relaxed some keyword
-                if retries >= self.max_retries:
-                    raise ToolCallError(f"decoded call still invalid after {retries} retries: {e}",
-                                        tool=e.tool, pointer=e.pointer) from None
+                if retries >= self.max_retries:  # keep what the run has, mark why it stopped
+                    messages.append({"role": "assistant", "content": out.text})
+                    result.error = f"decoded call still invalid after {retries} retries: {e}"
+                    logger.warning("%s", result.error)
+                    break
                 retries += 1
                 messages.append({"role": "assistant", "content": out.text})
                 messages.append({"role": "user", "content": f"That tool call is invalid: {e}. Call it again with "
@@ -293,8 +305,18 @@ class Agent:
 
     def _initial_messages(self, prompt: str | list[dict]) -> list[dict]:
         if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty: give a question or instruction")
             return [{"role": "user", "content": prompt}]
-        messages = [dict(m) for m in prompt]
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"the prompt must be a string or a list of message dicts, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is an empty message list")
+        messages = []
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict):
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+            messages.append(dict(m))
         for i, m in enumerate(messages):
             if "role" not in m:
                 raise ValueError(f"message {i} has no 'role'")
@@ -305,6 +327,16 @@ class Agent:
                 except ToolCallError as e:
                     raise ToolCallError(f"message {i}: {e}", tool=e.tool, pointer=e.pointer) from None
         return messages
+
+
+def _check_budgets(max_new_tokens: Any, max_total_tokens: Any, max_steps: Any) -> None:
+    """Raise ValueError naming the budget argument that is not an integer >= 1."""
+    for name, value, optional in (("max_new_tokens", max_new_tokens, False),
+                                  ("max_total_tokens", max_total_tokens, True), ("max_steps", max_steps, True)):
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _to_json_text(value: Any) -> str:

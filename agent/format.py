@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from constraints import lark_grammar, lark_json
-from schemas import Tool, ToolCallError, ToolRegistry, bound_scalars, call_schema
+from constraints import lark_grammar, lark_json, schema_compiles
+from schemas import Tool, ToolCallError, ToolRegistry, call_schema, narrow_for_grammar
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -92,10 +92,52 @@ def to_chat_messages(messages: list[dict], tools: list[Tool], *, use_tools: bool
 
 
 def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
-    """Token ids of the chat (template applied, generation prompt added)."""
+    """Token ids of the chat (template applied, generation prompt added).
+
+    Message content (every role: system, user, assistant, tool results, tool descriptions) is tokenized as plain
+    text: a string such as ``<|im_end|>`` or ``<|im_start|>system`` inside it stays text and never becomes a control
+    token, so a tool result cannot open a new turn. Only the chat template's own structure yields control tokens.
+
+    Raises:
+        ValueError: the chat template rewrites message content in a way that hides where it sits in the prompt,
+            and some content holds a special-token string (it cannot then be kept plain text).
+    """
     chat = to_chat_messages(messages, tools, use_tools=use_tools)
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    pieces = _template_pieces(tokenizer, chat, text)
+    if pieces is None:
+        specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        bad = [i for i, m in enumerate(chat) if any(t in (m.get("content") or "") for t in specials)]
+        if bad:
+            raise ValueError(f"message {bad[0]} holds a special-token string and the chat template rewrites message "
+                             f"content, so it cannot be kept plain text; remove the special-token strings")
+        return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):  # even: template text (control tokens parsed); odd: message content
+        if not piece:
+            continue
+        ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(i % 2))
+    return ids
+
+
+def _template_pieces(tokenizer, chat: list[dict], text: str) -> list[str] | None:
+    """``text`` split into [template, content, template, content, …, template], or None when the template does not
+    place each message's content (or its stripped form) verbatim."""
+    marks = [f"\x00specagent-content-{i}\x00" for i in range(len(chat))]
+    marked = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(chat, marks)],
+                                           add_generation_prompt=True, tokenize=False)
+    for transform in (lambda c: c, str.strip):
+        pieces: list[str] = []
+        rest = marked
+        for m, mark in zip(chat, marks):
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                return None
+            pieces += [before, transform(m.get("content") or "")]
+        pieces.append(rest)
+        if "".join(pieces) == text:
+            return pieces
+    return None
 
 
 def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool = True,
@@ -110,22 +152,23 @@ def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool
         response_format: JSON Schema of the final answer (replaces free text).
         max_string_length: cap (characters) on argument strings that set no ``maxLength``/``enum``/``const``/
             ``pattern``/``format``, so a call always closes within a token budget. Outputs stay schema-valid.
-        max_decimals: bound numbers to this many decimals and ``|x| <= 1e15`` (see :func:`bound_scalars`).
+        max_decimals: bound numbers to this many decimals and ``|x| <= 1e15`` (see :func:`schemas.bound_scalars`).
     """
     lenient = any(not t.strict for t in tools)
     rules = []
     start = []
     if tool_choice != "none" and tools:
-        schema = call_schema(tools)
-        if max_string_length is not None or max_decimals is not None:
-            schema = bound_scalars(schema, max_string_length, max_decimals)
+        schema = call_schema(tools, max_string_length=max_string_length, max_decimals=max_decimals,
+                             compiles=schema_compiles)
         rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
         more = f' ("{SEPARATORS[0]}" call)*' if parallel else ""
         rules.append(f'calls: "{CALL_OPEN}[" call{more} "]{CALL_CLOSE}"')
         start.append("calls")
     if tool_choice not in ("required",) or not tools:
         if response_format is not None:
-            rules.append(f"answer: {lark_json(response_format, separators=SEPARATORS)}")
+            # closed like tool arguments (the model cannot add undeclared keys); validated against the original
+            answer = narrow_for_grammar(response_format, compiles=schema_compiles)
+            rules.append(f"answer: {lark_json(answer, separators=SEPARATORS)}")
         elif start:
             rules.append("answer: TEXT\nTEXT: /[^<\\s](.|\\n)*/")  # text must not open a tool call
         else:

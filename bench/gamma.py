@@ -5,8 +5,11 @@ per window; schema-forced tokens ride along for free), on the same prompts as ``
 with the ``constrained`` baseline, one uncounted warm-up per configuration on the first prompt), measures:
 
     speedup      median over prompts of tokens/s ÷ the constrained (one token per forward) tokens/s, per prompt.
-    alpha        α, acceptance rate of drafter tokens: accepted / drafted, summed over prompts (forced tokens excluded;
-                 for ``lookup`` the drafter includes llguidance fast-forward proposals).
+    alpha        α, acceptance rate of drafter tokens: Σ accepted_by_position / Σ drafted_by_position over positions
+                 and prompts, i.e. accepted / *verified* drafter tokens. Tokens after the first rejection in a window
+                 were never checked, so they do not count (accepted / drafted would bias α low, the more so the
+                 larger γ). Forced tokens excluded; for ``lookup`` the drafter includes llguidance fast-forward
+                 proposals.
     c            drafter cost per token ÷ target cost per forward:
                  (Σ draft_seconds / Σ drafted) ÷ (Σ verify_seconds / Σ target_forwards). ``draft_seconds`` includes
                  the grammar masks of the window, so c is not exactly 0 for lookup.
@@ -78,7 +81,8 @@ def summarize(drafter: str, gamma: int, runs: dict[str, list[Run]], base: dict[s
     forwards = sum(r.forwards for r in flat)
     draft_s = sum(r.draft_seconds for r in flat)
     verify_s = sum(r.verify_seconds for r in flat)
-    alpha = accepted / drafted if drafted else None
+    checked = sum(sum(r.drafted_by_position or []) for r in flat)
+    alpha = sum(sum(r.accepted_by_position or []) for r in flat) / checked if checked else None
     c = (draft_s / drafted) / (verify_s / forwards) if drafted and forwards and verify_s > 0 else None
     row = {"drafter": drafter, "gamma": gamma,
            "speedup": round(statistics.median(speedups), 4) if speedups else None,
@@ -89,7 +93,7 @@ def summarize(drafter: str, gamma: int, runs: dict[str, list[Run]], base: dict[s
            "tokens_per_forward": round(sum(len(r.tokens) for r in flat) / forwards, 4) if forwards else None,
            "predicted_tokens_per_forward": round(expected_tokens(alpha, gamma), 4) if alpha is not None else None,
            "acceptance_by_position": acceptance_by_position(flat),
-           "drafted": drafted, "accepted": accepted,
+           "drafted": drafted, "accepted": accepted, "verified": checked,
            "identical_to_constrained": round(sum(runs[i][0].tokens == base[i][0].tokens for i in ids) / len(ids), 4)}
     return row
 

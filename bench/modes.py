@@ -11,7 +11,8 @@ import torch
 
 from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
 from decoding import DRAFTERS, Generator, LoadedModel, ModelNotFoundError
-from schemas import SpecAgentError, ToolRegistry, bound_scalars, call_schema
+from constraints import schema_compiles
+from schemas import SpecAgentError, ToolRegistry, call_schema
 
 BASELINE = "constrained"
 # one mode per row of decoding's drafter table (``none`` is the baseline), and ``best``: the Generator's default
@@ -53,7 +54,8 @@ def build_prompts(tokenizer, rows: list[tuple[str, dict]]) -> list[BenchPrompt]:
     prompts = []
     for cat, row in rows:
         turn = bfcl_turn(row, cat)
-        schema = bound_scalars(call_schema(turn.tools), MAX_STRING_LENGTH, MAX_DECIMALS)
+        schema = call_schema(turn.tools, max_string_length=MAX_STRING_LENGTH, max_decimals=MAX_DECIMALS,
+                             compiles=schema_compiles)
         prompts.append(BenchPrompt(turn.id, cat, turn, turn.registry(), turn.prompt_ids(tokenizer), turn.grammar(),
                                    schema))
     return prompts

@@ -15,6 +15,7 @@ import llguidance
 
 from .json_schema import compile_json_schema, compile_options
 from schemas.errors import SchemaError, SpecAgentError
+from schemas.narrow import calendar_dates
 
 
 class GrammarError(SpecAgentError, ValueError):
@@ -80,9 +81,12 @@ def lark_json(schema: Any, *, separators: tuple[str, str] = (",", ":"), lenient:
         separators: ``(item, key)`` separators, fixed (no free whitespace): compact ``(",", ":")`` by default;
             ``(", ", ": ")`` is what ``json.dumps`` writes and what most chat models saw in training.
         lenient: relax keywords the grammar cannot enforce (the caller validates outputs).
+
+    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`).
     """
     if not isinstance(schema, dict):
         schema = {} if schema is True else {"not": {}}
+    schema = calendar_dates(schema)
     return "%json " + json.dumps({**schema, "x-guidance": compile_options(separators, lenient=lenient)},
                                  ensure_ascii=False)
 

@@ -7,6 +7,7 @@ This is the only place that compiles a JSON Schema; ``schemas`` knows JSON Schem
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import llguidance
 
 from schemas.check import find_keyword, walk
+from schemas.narrow import calendar_dates
 from schemas.errors import SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
@@ -203,6 +205,7 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
 
     Strict: unimplemented keywords (``not``, ``if``, ``uniqueItems``…) are errors naming their pointers.
     Lenient: they are ignored by the grammar (the caller must validate outputs).
+    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`).
     """
     options = LENIENT_COMPILE_OPTIONS if lenient else JSON_COMPILE_OPTIONS
     if not lenient:
@@ -212,13 +215,29 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     elif schema is False:
         raise SchemaError("schema false admits no value: nothing can be generated", keyword="false", tool=tool)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(_normalise_counts(schema), overrides=options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(calendar_dates(_normalise_counts(schema)),
+                                                                overrides=options)
     except ValueError as e:
         raise compile_error_to_schema_error(schema, str(e), tool=tool) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise grammar_error_to_schema_error(schema, messages[0], tool=tool)
     return grammar
+
+
+def schema_compiles(schema: Any, lenient: bool = False) -> bool:
+    """Whether ``schema`` compiles to a grammar (strict or lenient); cached by its canonical JSON text. Used by
+    :func:`schemas.narrow.narrow_for_grammar` to keep only narrowings that still compile."""
+    return _compiles(json.dumps(schema, ensure_ascii=False), lenient)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiles(canonical: str, lenient: bool) -> bool:
+    try:
+        compile_json_schema(json.loads(canonical), lenient=lenient)
+    except SchemaError:
+        return False
+    return True
 
 
 def check_enforceable(schema: Any, tool: str | None = None) -> None:

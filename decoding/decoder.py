@@ -82,7 +82,13 @@ def start_decode(target: CausalLM, prompt: list[int], state: ConstraintState, sa
 
 def finish_decode(setup: DecodeSetup, tokens: list[int], stop: str, state: ConstraintState,
                   tokenizer=None) -> DecodeResult:
-    """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`."""
+    """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`.
+
+    A decode that reached the budget on the token that completed the grammar stops with ``"grammar"``, not
+    ``"length"``: nothing was cut.
+    """
+    if stop == "length" and state.is_stopped():
+        stop = "grammar"
     stats = setup.stats
     stats.new_tokens = len(tokens)
     stats.mask_seconds = state.mask_seconds - setup.mask_start

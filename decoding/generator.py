@@ -102,8 +102,14 @@ class Generator:
         """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place).
 
         Args:
+            max_new_tokens: output budget (tokens, >= 1); an output the grammar completes on its last allowed
+                token stops with ``"grammar"``, not ``"length"``.
             on_text: called with each new piece of decoded text as tokens are committed (streaming).
+        Raises:
+            ValueError: ``max_new_tokens`` is not an integer >= 1, or the drafter is unknown.
         """
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = drafter or self.drafter
         target = CausalLM(self.loaded)

@@ -139,13 +139,16 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
     """Speculative sampling on masked, renormalised p (target) and q (draft).
 
     Leviathan et al. 2023, Alg. 1: accept ``d`` with probability ``min(1, p(d)/q(d))``; at the first rejection
-    the bonus is drawn from ``norm(max(0, p − q))``; if all are accepted, from ``p`` at row k.
+    the bonus is drawn from ``norm(max(0, p − q))``; if all are accepted, from ``p`` at row k. A proposal with
+    ``q(d) = 0`` (or no q) is verified as a deterministic one (one-hot q), which is exact for any proposal.
     """
     p = probs_from_logits(masked, sampling)
     for j, d in enumerate(draft.tokens):
         if draft.forced[j]:
             continue  # p(d) = 1: the mask allows only d
         q = draft.q[j]
+        if q is not None and not float(q[d]) > 0.0:
+            q = None  # a drafter that proposes d with q(d) = 0 is treated as deterministic (one-hot q): still exact
         pd = float(p[j, d])
         qd = 1.0 if q is None else float(q[d])
         if float(torch.rand((), generator=generator)) < min(1.0, pd / qd):
@@ -229,6 +232,7 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     stats, cur, gen = run.stats, run.cur, run.generator
     seq = list(prompt)
     tokens: list[int] = []
+    reported = 0  # output tokens already passed to on_step
     gamma = num_draft_tokens
     stop = "length"
     while len(tokens) < max_new_tokens:
@@ -260,4 +264,8 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         cur = new_tokens[-1]
         if on_step is not None:
             on_step(tokens)
+            reported = len(tokens)
+    if on_step is not None and len(tokens) > reported:  # the final window (ended by the grammar or EOS)
+        target.crop(min(target.length, len(prompt) + len(tokens) - 1))  # as after every step: all but the last
+        on_step(tokens)
     return finish_decode(run, tokens, stop, state, tokenizer)

@@ -1,53 +1,286 @@
 """Narrowing a JSON Schema for the grammar: a copy whose language is a subset of the original's, so every output
-the grammar allows still validates against the original schema (validation always uses the original).
+the grammar allows still validates against the original schema (validation always uses the original): closed
+objects, bounded scalars, calendar-valid dates.
 
-These are pure JSON Schema → JSON Schema transformations, so they live in ``schemas/`` (no grammar engine needed):
-``close_objects`` (no invented keys) and ``bound_scalars`` (strings and numbers that always end within a token
-budget). ``schemas.call_schema`` applies ``close_objects``; ``agent.format.turn_grammar`` applies ``bound_scalars``.
+These are pure JSON Schema → JSON Schema transformations, so they live in ``schemas/`` (no grammar engine needed).
+The grammar may enforce a *subset* of what a schema allows, but it must never turn a satisfiable schema into an
+unsatisfiable one: whatever registration accepted must decode. The rules here are built so; with the engine's
+``compiles`` check, :func:`narrow_for_grammar` also keeps the original when a narrowing step would not compile.
+``schemas.call_schema`` applies :func:`narrow_for_grammar` per tool; the grammar engine applies
+:func:`calendar_dates` to every JSON Schema it compiles.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any
+import decimal
+import functools
+from typing import Any, Callable
 
-from .check import walk
+from .check import resolve_local_ref, walk
 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+# Keywords after which a subschema no longer describes a value on its own (conditionals, negation, …).
+_PARTIAL = ("not", "if", "then", "else", "contains", "propertyNames", "dependentSchemas", "dependencies",
+            "unevaluatedProperties", "unevaluatedItems")
+_ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                "writeOnly", "$id", "$anchor", "$schema"}
 
 
+# -- closing objects -------------------------------------------------------------------------------------------------
 def close_objects(schema: Any) -> Any:
-    """A copy of ``schema`` where objects that list ``properties`` but say nothing of other keys get
-    ``additionalProperties: false``.
+    """A copy of ``schema`` where each object that declares properties but says nothing of other keys takes only
+    the keys it declares (``additionalProperties: false``).
 
-    Used for the grammar only: every output is still valid against the original schema (the language is a subset),
-    and a small model can no longer wander into invented keys. Validation uses the original schema.
+    The declared keys of an object are its own ``properties`` and ``required`` plus those of everything that
+    applies to the same value: ``allOf`` / ``anyOf`` / ``oneOf`` branches and ``$ref`` targets (recursively). The
+    node that holds the combinators is closed, with the keys its branches declare added to its ``properties`` as
+    ``{}``; branches and ``$defs`` targets shared with other schemas are never closed themselves (closing a branch
+    would forbid the keys its siblings declare: ``allOf: [{city}, {days}]`` would admit no value). A ``$defs``
+    target is closed only when every reference to it is a bare ``{"$ref": …}`` standing for a whole value. Nothing
+    is closed where anything involved leaves keys open (``additionalProperties``, ``patternProperties``,
+    ``unevaluatedProperties``) or is conditional (``if``, ``not``, ``dependentSchemas``…).
+
+    Used for the grammar only: the language is a subset (no undeclared keys), so a small model cannot wander into
+    invented keys; validation uses the original schema.
     """
     schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
-        if "properties" in node and not any(k in node for k in _OPEN_KEYS):
-            node["additionalProperties"] = False
+    if not isinstance(schema, dict):
+        return schema
+    whole, shared = _value_nodes(schema)
+    for node in whole:
+        if id(node) in shared or any(k in node for k in _OPEN_KEYS) or _is_bare_ref(node):
+            continue
+        keys = _declared_keys(schema, node, set())
+        if keys is None or not _declares_properties(schema, node, set()):
+            continue
+        props = node.setdefault("properties", {})
+        for k in keys:
+            props.setdefault(k, {})
+        node["additionalProperties"] = False
     return schema
 
 
-def bound_scalars(schema: dict, max_string_length: int | None = None, max_decimals: int | None = None) -> dict:
+def _is_bare_ref(node: dict) -> bool:
+    return "$ref" in node and set(node) <= _ANNOTATIONS
+
+
+def _value_nodes(root: dict) -> tuple[list[dict], set[int]]:
+    """(nodes that describe a whole value, ids of nodes that describe one only together with other schemas)."""
+    whole: dict[int, dict] = {}
+    shared: set[int] = set()
+    seen: set[tuple[int, bool]] = set()
+
+    def visit(node: Any, complete: bool) -> None:
+        if not isinstance(node, dict) or (id(node), complete) in seen:
+            return
+        seen.add((id(node), complete))
+        if complete:
+            whole[id(node)] = node
+        else:
+            shared.add(id(node))
+        combined = any(k in node for k in _COMBINATORS) or ("$ref" in node and not _is_bare_ref(node))
+        child = complete and not combined
+        props_child = child and not node.get("patternProperties")
+        for sub in (node.get("properties") or {}).values() if isinstance(node.get("properties"), dict) else ():
+            visit(sub, props_child)
+        for key in ("additionalProperties", "items", "additionalItems"):
+            value = node.get(key)
+            for sub in value if isinstance(value, list) else [value]:
+                visit(sub, child)
+        for sub in node.get("prefixItems") or [] if isinstance(node.get("prefixItems"), list) else []:
+            visit(sub, child)
+        pattern_props = node.get("patternProperties")
+        for sub in pattern_props.values() if isinstance(pattern_props, dict) else ():
+            visit(sub, False)
+        for key in _COMBINATORS:
+            for sub in node.get(key) or [] if isinstance(node.get(key), list) else []:
+                visit(sub, False)
+        for key in _PARTIAL:
+            value = node.get(key)
+            if isinstance(value, dict) and key in ("dependentSchemas", "dependencies"):
+                for sub in value.values():
+                    visit(sub, False)
+            elif isinstance(value, (dict, list)):
+                for sub in value if isinstance(value, list) else [value]:
+                    visit(sub, False)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = resolve_local_ref(root, ref)
+            visit(target, complete and _is_bare_ref(node))
+
+    visit(root, True)
+    return list(whole.values()), shared
+
+
+def _declared_keys(root: dict, node: Any, seen: set[int]) -> list[str] | None:
+    """Keys declared for the value ``node`` describes (own, branches', ``$ref`` targets'); None when open."""
+    if node is False:
+        return []
+    if not isinstance(node, dict):
+        return None  # ``true`` (or junk) admits any key
+    if id(node) in seen:
+        return []
+    seen = seen | {id(node)}
+    if node is not None and any(k in node for k in _PARTIAL):
+        return None
+    if node.get("additionalProperties", False) is not False or node.get("patternProperties") \
+            or "unevaluatedProperties" in node:
+        return None
+    keys = list(node.get("properties") or {}) if isinstance(node.get("properties"), dict) else []
+    keys += [k for k in node.get("required") or [] if isinstance(k, str)]
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = resolve_local_ref(root, ref) if ref.startswith("#") else None
+        if not isinstance(target, (dict, bool)):
+            return None
+        sub = _declared_keys(root, target, seen)
+        if sub is None:
+            return None
+        keys += sub
+    for key in _COMBINATORS:
+        for branch in node.get(key) or []:
+            sub = _declared_keys(root, branch, seen)
+            if sub is None:
+                return None
+            keys += sub
+    return list(dict.fromkeys(keys))
+
+
+def _declares_properties(root: dict, node: Any, seen: set[int]) -> bool:
+    if not isinstance(node, dict) or id(node) in seen:
+        return False
+    seen = seen | {id(node)}
+    if "properties" in node:
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and _declares_properties(root, resolve_local_ref(root, ref), seen):
+        return True
+    return any(_declares_properties(root, b, seen) for k in _COMBINATORS for b in node.get(k) or [])
+
+
+# -- bounding scalars --------------------------------------------------------------------------------------------
+NUMBER_BOUND = 10 ** 15
+
+
+def bound_scalars(schema: Any, max_string_length: int | None = None, max_decimals: int | None = None) -> Any:
     """A copy of ``schema`` whose unbounded scalars are bounded (for the grammar only; outputs stay valid).
 
-    Strings with no ``maxLength``/``enum``/``const``/``pattern``/``format`` get ``maxLength: max_string_length``.
-    With ``max_decimals``, numbers with no ``multipleOf`` get ``multipleOf: 10**-max_decimals`` (at most that many
-    decimals, no exponent) and numbers and integers without bounds get ``|x| <= 1e15``. A small model can then not
-    run away inside a value (seen on SmolLM2-135M: ``"3.0000…"`` until the token budget ran out).
+    Strings with no ``maxLength``/``enum``/``const``/``pattern``/``format`` get ``maxLength: max_string_length``
+    (or their ``minLength`` when that is larger). With ``max_decimals``, numbers with no ``multipleOf`` get
+    ``multipleOf: 10**-max_decimals`` (at most that many decimals, no exponent) unless their range holds no such
+    multiple, and numbers and integers without bounds get ``|x| <= 1e15``, widened to reach a bound the schema sets
+    (``minimum: 1e16`` gives ``maximum: 1e16``). A small model can then not run away inside a value (seen on
+    SmolLM2-135M: ``"3.0000…"`` until the token budget ran out), and a satisfiable schema stays satisfiable.
     """
     schema = copy.deepcopy(schema)
     for _, node in walk(schema):
         t = node.get("type")
         if t == "string" and max_string_length is not None and not any(
                 k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
-            node["maxLength"] = max_string_length
+            min_length = node.get("minLength")
+            floor = int(min_length) if isinstance(min_length, (int, float)) and not isinstance(min_length, bool) else 0
+            node["maxLength"] = max(max_string_length, floor)
         if t in ("number", "integer") and max_decimals is not None and not any(k in node for k in ("enum", "const")):
-            if t == "number" and "multipleOf" not in node:
+            lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+            if t == "number" and "multipleOf" not in node and _has_multiple(lo, hi, max_decimals):
                 node["multipleOf"] = 10.0 ** -max_decimals
-            if not any(k in node for k in ("maximum", "exclusiveMaximum")):
-                node["maximum"] = 10 ** 15
-            if not any(k in node for k in ("minimum", "exclusiveMinimum")):
-                node["minimum"] = -(10 ** 15)
+            if hi is None:
+                node["maximum"] = max(NUMBER_BOUND, _ceil(lo[0]) + 1 if lo else NUMBER_BOUND)
+            if lo is None:
+                node["minimum"] = min(-NUMBER_BOUND, _floor(hi[0]) - 1 if hi else -NUMBER_BOUND)
     return schema
+
+
+def _bound(node: dict, inclusive: str, exclusive: str) -> tuple[decimal.Decimal, bool] | None:
+    """(value, exclusive?) of a lower or upper bound (draft-04 boolean ``exclusiveMinimum`` included)."""
+    value = node.get(inclusive)
+    ex = node.get(exclusive)
+    if isinstance(ex, bool):  # draft 04: exclusiveMinimum: true modifies minimum
+        return None if not _is_num(value) else (decimal.Decimal(repr(value)), ex)
+    if _is_num(ex):
+        if _is_num(value):
+            a, b = decimal.Decimal(repr(value)), decimal.Decimal(repr(ex))
+            lower = inclusive == "minimum"
+            return (b, True) if (b >= a if lower else b <= a) else (a, False)
+        return decimal.Decimal(repr(ex)), True
+    return (decimal.Decimal(repr(value)), False) if _is_num(value) else None
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _ceil(d: decimal.Decimal) -> int:
+    return int(d.to_integral_value(rounding=decimal.ROUND_CEILING))
+
+
+def _floor(d: decimal.Decimal) -> int:
+    return int(d.to_integral_value(rounding=decimal.ROUND_FLOOR))
+
+
+def _has_multiple(lo, hi, decimals: int) -> bool:
+    """Whether the range ``lo … hi`` holds a multiple of ``10**-decimals`` (always, when a side is open)."""
+    if lo is None or hi is None:
+        return True
+    with decimal.localcontext() as ctx:
+        ctx.prec = 1000
+        scale = decimal.Decimal(10) ** decimals
+        first = _ceil(lo[0] * scale) + (1 if lo[1] and lo[0] * scale == _ceil(lo[0] * scale) else 0)
+        last = _floor(hi[0] * scale) - (1 if hi[1] and hi[0] * scale == _floor(hi[0] * scale) else 0)
+    return first <= last
+
+
+# -- calendar dates ------------------------------------------------------------------------------------------------
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999 (RFC 3339 has no year 0)
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+# leap years: divisible by 4 but not by 100, or by 400 (0000 excluded)
+_LEAP_DAY = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29"
+DATE_REGEX = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_DAY})"
+"""A regular expression for RFC 3339 ``full-date`` that admits only real calendar dates (leap years included)."""
+
+# llguidance's own ``date`` / ``date-time`` formats check the shape and the day range 01-31 only (2023-02-29
+# passes); the pattern added next to the format makes the grammar take only real dates.
+_CALENDAR_PATTERNS = {"date": f"^{DATE_REGEX}$", "date-time": f"^{DATE_REGEX}[Tt]"}
+
+
+def calendar_dates(schema: Any) -> Any:
+    """``schema`` with each ``format: date`` / ``date-time`` also constrained to real calendar dates (a pattern
+    next to the format, or inside an ``allOf`` when the node has its own ``pattern``). Returned as is when the
+    schema has no such format."""
+    if not any(node.get("format") in _CALENDAR_PATTERNS for _, node in walk(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        pattern = _CALENDAR_PATTERNS.get(node.get("format"))
+        if pattern is None:
+            continue
+        if "pattern" not in node:
+            node["pattern"] = pattern
+        else:
+            node["allOf"] = list(node.get("allOf") or []) + [{"pattern": pattern}]
+    return schema
+
+
+# -- the grammar's schema ------------------------------------------------------------------------------------------
+def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
+                       max_decimals: int | None = None,
+                       compiles: Callable[[Any, bool], bool] | None = None) -> Any:
+    """The schema the grammar enforces for ``schema``: closed objects, then bounded scalars (when asked).
+
+    Args:
+        compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
+            Each narrowing step is then kept only when its result compiles (llguidance finds an unsatisfiable
+            schema at compile time), so a schema that registered always decodes: a step that would not compile is
+            dropped, never the tool. None: the steps are kept as built (they are satisfiable by construction).
+    """
+    out = schema
+    steps = [close_objects]
+    if max_string_length is not None or max_decimals is not None:
+        steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
+    for step in steps:
+        narrowed = step(out)
+        if narrowed != out and (compiles is None or compiles(narrowed, lenient)):
+            out = narrowed
+    return out

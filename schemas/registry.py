@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .errors import ToolCallError, ToolError
-from .narrow import close_objects
+from .narrow import narrow_for_grammar
 from .tool import Tool, ToolCall, as_tool
 
 
@@ -70,11 +70,15 @@ class ToolRegistry:
         return self.validate_call(obj["name"], args, obj.get("id"))
 
 
-def call_schema(tools: Iterable[Tool]) -> dict:
+def call_schema(tools: Iterable[Tool], *, max_string_length: int | None = None, max_decimals: int | None = None,
+                compiles: Callable[[Any, bool], bool] | None = None) -> dict:
     """JSON Schema of one tool call ``{"name": <const>, "arguments": <that tool's schema>}``.
 
-    One ``anyOf`` branch per tool: the name (a ``const``) selects the arguments schema. A tool schema that uses
-    local ``$ref`` is moved under ``$defs`` with its references rewritten, so pointers still resolve.
+    One ``anyOf`` branch per tool: the name (a ``const``) selects the arguments schema, narrowed for the grammar
+    by :func:`schemas.narrow.narrow_for_grammar` (closed objects; with ``max_string_length`` / ``max_decimals``,
+    bounded scalars); with the grammar engine's ``compiles`` check, a narrowing that would leave a tool's schema
+    uncompilable is dropped for that tool, so one tool never breaks another. A tool schema that uses local ``$ref`` is moved under ``$defs`` with its references
+    rewritten, so pointers still resolve.
     """
     tools = list(tools)
     if not tools:
@@ -82,7 +86,8 @@ def call_schema(tools: Iterable[Tool]) -> dict:
     defs: dict[str, Any] = {}
     branches = []
     for i, tool in enumerate(tools):
-        params = close_objects(tool.parameters)
+        params = narrow_for_grammar(tool.parameters, lenient=not tool.strict, max_string_length=max_string_length,
+                                    max_decimals=max_decimals, compiles=compiles)
         if _has_local_ref(params):
             key = f"tool{i}"
             defs[key] = _rewrite_refs(copy.deepcopy(params), f"#/$defs/{key}")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jsonschema
 import pydantic
 
-from .check import check_enforceable, check_valid, validator_class, walk
+from .check import check_enforceable, check_valid, instance_validator, walk
 from .errors import SchemaError, ToolCallError, ToolError, json_pointer
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -78,9 +78,8 @@ class Tool:
         check_valid(self.parameters, tool=self.name)
         if self.strict:
             check_enforceable(self.parameters, tool=self.name)
-        if self.model is None:
-            cls = validator_class(self.parameters)
-            self._validator = cls(self.parameters)
+        if self.model is None:  # formats are assertions, as in the grammar (2023-02-29 is no date)
+            self._validator = instance_validator(self.parameters)
 
     # -- validation ---------------------------------------------------------------------------------------------
     def validate(self, arguments: Any) -> Any:
@@ -205,7 +204,7 @@ class ResponseFormat:
         check_valid(self.schema, tool="response_format")
         if strict:
             check_enforceable(self.schema, tool="response_format")
-        self._validator = None if self.model else validator_class(self.schema)(self.schema)
+        self._validator = None if self.model else instance_validator(self.schema)
 
     def validate(self, value: Any) -> Any:
         """The validated answer: a model instance or the JSON value. Raises ToolCallError naming the pointer."""

@@ -5,7 +5,11 @@ import random
 
 import torch
 
-from constraints import ConstraintState, allocate_bitmask, apply_bitmask
+from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row
+from decoding import Drafter, LoadedModel
+from decoding.sampling import probs_from_logits
+
+from conftest import tiny_llama
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -48,3 +52,51 @@ def reference_greedy_check(model, prompt: list[int], tokens: list[int], state_fa
         assert int(masked.argmax()) == t, f"step {i}: emitted {t}, masked argmax {int(masked.argmax())}"
         state.consume(t)
         seq.append(t)
+
+
+# -- sampling: exact distribution of constrained sampling ----------------------------------------------------------
+def char_model(vocab: int, seed: int):
+    """A tiny random Llama over a character vocabulary (logits spread enough for non-degenerate sampling tests)."""
+    return tiny_llama(vocab, seed, hidden=16, layers=1, init=0.15)
+
+
+def loaded_model(model, name):
+    """``model`` as a LoadedModel with no tokenizer (CPU, float32)."""
+    return LoadedModel(model, None, name, None, torch.device("cpu"), torch.float32)
+
+
+@torch.inference_mode()
+def exact_distribution(model, llt, grammar, prompt, sampling, max_len=4):
+    """P(output tokens) of constrained sampling (mask -> temperature -> top-p), by enumerating the grammar tree."""
+    out: dict[tuple, float] = {}
+    bm = allocate_bitmask(1, model.config.vocab_size)
+
+    def rec(prefix, p):
+        state = ConstraintState(llt, grammar)
+        state.consume_many(prefix)
+        if state.is_stopped() or len(prefix) == max_len:
+            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p
+            return
+        logits = model(torch.tensor([prompt + prefix])).logits[0, -1:].float()
+        state.fill_bitmask(bm, 0)
+        probs = probs_from_logits(apply_bitmask(logits, bm), sampling)[0]
+        for t in torch.nonzero(probs > 0).flatten().tolist():
+            if t == llt.eos_token:
+                out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p * float(probs[t])
+            else:
+                rec(prefix + [t], p * float(probs[t]))
+
+    rec([], 1.0)
+    return out
+
+
+class FixedDrafter(Drafter):
+    """Deterministic drafts (one-hot q): always proposes the same token when the grammar allows it."""
+
+    name = "fixed"
+
+    def __init__(self, token):
+        self.token = token
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        return (self.token, None) if is_allowed_row(bitmask_row, self.token) else None

@@ -13,11 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer, regex_grammar
-from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, LoadedModel, PromptLookupDrafter,
-                      SamplingParams, SchemaDrafter, decode, speculative_decode)
+from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SamplingParams,
+                      SchemaDrafter, decode, speculative_decode)
 
-from conftest import tiny_llama
-from helpers import PROMPTS, random_schema
+from helpers import PROMPTS, FixedDrafter, char_model, exact_distribution, loaded_model, random_schema
 
 SCHEMAS = [random_schema(random.Random(s)) for s in range(5)]
 FREE_TEXT_THEN_CALL = lark_grammar('start: /[a-z ]{0,12}/ "<tool_call>" '
@@ -166,64 +165,15 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
 
 
 # -- sampling: exact distribution of constrained sampling vs speculative samples -----------------------------------
-def _char_model(vocab: int, seed: int):
-    return tiny_llama(vocab, seed, hidden=16, layers=1, init=0.15)
-
-
-def _loaded(model, name):
-    return LoadedModel(model, None, name, None, torch.device("cpu"), torch.float32)
-
-
-@torch.inference_mode()
-def _exact_distribution(model, llt, grammar, prompt, max_len=4):
-    """P(output tokens) of constrained sampling at temperature 1, by enumerating the (small) grammar tree."""
-    from constraints import allocate_bitmask, apply_bitmask
-
-    out = {}
-    bm = allocate_bitmask(1, model.config.vocab_size)
-
-    def rec(prefix, p):
-        state = ConstraintState(llt, grammar)
-        state.consume_many(prefix)
-        if state.is_stopped() or len(prefix) == max_len:
-            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p
-            return
-        logits = model(torch.tensor([prompt + prefix])).logits[0, -1:].float()
-        state.fill_bitmask(bm, 0)
-        probs = torch.softmax(apply_bitmask(logits, bm), -1)[0]
-        for t in torch.nonzero(probs > 0).flatten().tolist():
-            if t == llt.eos_token:
-                out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p * float(probs[t])
-            else:
-                rec(prefix + [t], p * float(probs[t]))
-
-    rec([], 1.0)
-    return out
-
-
-class FixedDrafter(Drafter):
-    """Deterministic drafts (one-hot q): always proposes the same token when the grammar allows it."""
-
-    name = "fixed"
-
-    def __init__(self, token):
-        self.token = token
-
-    def propose(self, tokens, state, bitmask_row, sampling, generator):
-        from constraints import is_allowed_row
-
-        return (self.token, None) if is_allowed_row(bitmask_row, self.token) else None
-
-
 @pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
 def test_speculative_sampling_matches_constrained_sampling_distribution(char_tokenizer, drafter_kind):
     tok, llt = char_tokenizer
     vocab = len(tok.tokens)
-    target = _loaded(_char_model(vocab, 11), "t")
-    draft = _loaded(_char_model(vocab, 12), "d")
+    target = loaded_model(char_model(vocab, 11), "t")
+    draft = loaded_model(char_model(vocab, 12), "d")
     grammar = regex_grammar("[ab]{2,3}")
     prompt = tok("ab:")
-    exact = _exact_distribution(target.model, llt, grammar, prompt)
+    exact = exact_distribution(target.model, llt, grammar, prompt, SamplingParams(temperature=1.0))
     assert abs(sum(exact.values()) - 1) < 1e-5 and max(exact.values()) < 0.6  # a non-degenerate test
     n = 1500
     counts = Counter()

@@ -1,0 +1,133 @@
+"""Bad input as a new user meets it: each gets a clear error or a sane documented result, and nothing is lost."""
+from __future__ import annotations
+
+import pytest
+
+from agent import Agent
+from agent.__main__ import main, tool_choice_arg
+from agent.format import render_call_text, turn_grammar
+from decoding import Generator
+from schemas import Tool, ToolRegistry
+
+from test_agent_loop import ScriptedGenerator, add
+from test_grammar_narrowing import accepts, call
+
+
+@pytest.fixture(scope="module")
+def tiny_gen(tiny_target):
+    return Generator(tiny_target, drafter="none")
+
+
+# -- budgets ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [1, 3])
+def test_tiny_budget_with_required_never_returns_a_call_fragment(tiny_gen, budget):
+    res = Agent(tiny_gen, [add]).run("add 2 and 3", tool_choice="required", max_new_tokens=budget)
+    assert res.truncated and res.raw_turns and "<tool_call>".startswith(res.raw_turns[0])
+    assert res.final_answer is None and not res.tool_calls
+    assert [m["role"] for m in res.messages] == ["user"]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_new_tokens": 0}, {"max_new_tokens": -5}, {"max_total_tokens": 0},
+                                    {"max_steps": 0}])
+def test_zero_or_negative_budget_is_rejected_naming_it(tiny_gen, kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Agent(tiny_gen, [add]).run("add 2 and 3", **kwargs)
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_generator_rejects_a_budget_below_one(tiny_gen, budget):
+    from constraints import regex_grammar
+
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tiny_gen.generate([1, 2], regex_grammar("a+"), max_new_tokens=budget)
+
+
+@pytest.mark.parametrize("prompt", [None, "", "   ", [], 42])
+def test_missing_or_empty_prompt_is_rejected_clearly(tiny_gen, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        Agent(tiny_gen, [add]).run(prompt)
+
+
+# -- a lenient call still invalid after the retries -----------------------------------------------------------------
+def test_lenient_call_still_invalid_after_retries_returns_the_transcript(tiny_target):
+    picked = []
+    pick = Tool.from_schema("pick", {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 3}}}, "required": ["n"]},
+        fn=picked.append, strict=False)
+
+    def script(prompt):
+        if "<|im_start|>tool" not in prompt:
+            return render_call_text([{"name": "add", "arguments": {"a": 2, "b": 3}}])
+        return render_call_text([{"name": "pick", "arguments": {"n": 3}}])  # the grammar relaxed "not"
+
+    res = Agent(ScriptedGenerator(tiny_target, script), [add, pick], drafter="none", max_retries=1).run("go")
+    assert res.error and "pick" in res.error and "not" in res.error
+    assert [(r.call.name, r.result) for r in res.tool_calls] == [("add", 5)]  # the earlier result is kept
+    assert [m["role"] for m in res.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert not picked
+
+
+# -- streaming ----------------------------------------------------------------------------------------------------
+def test_stream_sends_final_answer_when_the_answer_is_cut(tiny_gen):
+    events = list(Agent(tiny_gen, [add]).stream("Say something long.", tool_choice="none", max_new_tokens=3))
+    done = events[-1].result
+    assert done.truncated and done.final_answer
+    finals = [e for e in events if e.type == "final_answer"]
+    assert len(finals) == 1 and finals[0].text == done.final_answer
+
+
+# -- repeated parallel calls: what the user can do, enforced by the grammar ----------------------------------------
+def test_parallel_tool_calls_false_admits_exactly_one_call(smol_tokenizer):
+    from constraints import llg_tokenizer
+
+    llt = llg_tokenizer(smol_tokenizer, 49152)
+    tools = list(ToolRegistry([add]))
+    two = render_call_text([{"name": "add", "arguments": {"a": 1, "b": 2}}] * 2)
+    one = call("add", {"a": 1, "b": 2})
+    assert accepts(llt, smol_tokenizer, turn_grammar(tools, "required", parallel=True), two)
+    assert not accepts(llt, smol_tokenizer, turn_grammar(tools, "required", parallel=False), two)
+    assert accepts(llt, smol_tokenizer, turn_grammar(tools, "required", parallel=False), one)
+
+
+def test_array_parameter_with_max_items_bounds_the_values_of_one_call(smol_tokenizer):
+    from constraints import llg_tokenizer
+
+    llt = llg_tokenizer(smol_tokenizer, 49152)
+    tool = Tool.from_schema("weather", {"type": "object", "properties": {"cities": {
+        "type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 2}},
+        "required": ["cities"]})
+    grammar = turn_grammar([tool], "required", parallel=False)
+    assert accepts(llt, smol_tokenizer, grammar, call("weather", {"cities": ["Oslo", "Rome"]}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("weather", {"cities": ["Oslo", "Oslo", "Oslo"]}))
+
+
+# -- command line -------------------------------------------------------------------------------------------------
+def test_cli_named_tool_choice_is_parsed():
+    assert tool_choice_arg('{"name": "add"}') == {"name": "add"}
+    assert tool_choice_arg('{"type": "function", "function": {"name": "add"}}') == {"name": "add"}
+    assert tool_choice_arg("required") == "required"
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_cli_bad_tool_choice_fails_before_the_model_loads(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
+        main(["run", "--model", "no-such-model", "--tools", "examples.my_tools:TOOLS", "--tool-choice", "bogus",
+              "hi"])
+    assert e.value.code == 2 and "bogus" in capsys.readouterr().err
+    # a named tool that does not exist: found from the tools, before the (missing) model is looked up
+    err = _one_line_error(capsys, ["run", "--model", "no-such-model", "--tools", "examples.my_tools:TOOLS",
+                                   "--tool-choice", '{"name": "nope"}', "hi"])
+    assert "nope" in err and "no-such-model" not in err
+
+
+def test_cli_user_errors_are_one_line(capsys):
+    assert "nope" in _one_line_error(capsys, ["run", "--tools", "nope:TOOLS", "hi"])
+    assert "NOPE" in _one_line_error(capsys, ["run", "--tools", "examples.my_tools:NOPE", "hi"])
+    assert "no-such-model" in _one_line_error(capsys, ["run", "--model", "no-such-model", "--tools",
+                                                       "examples.my_tools:TOOLS", "hi"])

@@ -1,0 +1,207 @@
+"""What the grammar enforces for a registered schema: closed objects, bounded scalars and calendar dates narrow it,
+but never so far that a satisfiable schema admits no value; what registration accepts must decode.
+
+Each test feeds a text through the public turn grammar (``agent.format.turn_grammar``) and checks that the grammar
+accepts it (or rejects it) as a whole.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+
+from agent import Agent
+from agent.format import render_call_text, turn_grammar
+from constraints import ConstraintState, llg_tokenizer
+from decoding import Generator
+from schemas import Tool, ToolCallError, ToolRegistry
+
+ALLOF_TRIP = {"type": "object", "allOf": [
+    {"properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]},
+    {"properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["days"]}]}
+REF_TRIP = {"type": "object",
+            "$defs": {"Base": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                               "required": ["city"]}},
+            "allOf": [{"$ref": "#/$defs/Base"}],
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["days"]}
+
+
+def get_time(zone: str) -> str:
+    """Time in a zone.
+
+    Args:
+        zone: IANA zone name.
+    """
+    return zone
+
+
+@pytest.fixture(scope="module")
+def llt(smol_tokenizer):
+    return llg_tokenizer(smol_tokenizer, 49152)
+
+
+def accepts(llt, tok, grammar, text: str) -> bool:
+    """The grammar takes ``text`` whole (every token, and the end)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    state = ConstraintState(llt, grammar)
+    if state.valid_prefix_len(ids) != len(ids):
+        return False
+    state.consume_many(ids)
+    return state.is_accepting()
+
+
+def call(name, arguments):
+    return render_call_text([{"name": name, "arguments": arguments}])
+
+
+def tools_of(*specs):
+    reg = ToolRegistry()
+    for s in specs:
+        reg.register(s)
+    return list(reg)
+
+
+# -- 1. closing objects never closes allOf / $ref branches --------------------------------------------------------
+@pytest.mark.parametrize("schema", [ALLOF_TRIP, REF_TRIP], ids=["allOf", "ref"])
+def test_properties_split_over_allof_or_ref_decode_alone(llt, smol_tokenizer, schema):
+    tools = tools_of(Tool.from_schema("trip", schema))  # registers in strict mode
+    grammar = turn_grammar(tools, "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("trip", {"city": "Oslo", "days": 3}))
+    # still closed: an undeclared key is not generated
+    assert not accepts(llt, smol_tokenizer, grammar, call("trip", {"city": "Oslo", "days": 3, "x": 1}))
+
+
+@pytest.mark.parametrize("schema", [ALLOF_TRIP, REF_TRIP], ids=["allOf", "ref"])
+def test_split_properties_tool_neither_disappears_nor_breaks_other_tools(llt, smol_tokenizer, schema):
+    tools = tools_of(get_time, Tool.from_schema("trip", schema))
+    grammar = turn_grammar(tools, "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("trip", {"city": "Oslo", "days": 3}))
+    assert accepts(llt, smol_tokenizer, grammar, call("get_time", {"zone": "UTC"}))
+
+
+def test_anyof_branches_keep_the_keys_the_parent_declares(llt, smol_tokenizer):
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["id"],
+              "anyOf": [{"properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+                        {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("pick", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("pick", {"id": 1, "a": True}))
+    assert accepts(llt, smol_tokenizer, grammar, call("pick", {"id": 1, "b": False}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("pick", {"id": 1, "a": True, "zz": 1}))
+
+
+def test_ref_target_shared_by_a_plain_use_and_an_allof_is_not_closed_for_either(llt, smol_tokenizer):
+    schema = {"type": "object",
+              "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                              "required": ["x"]}},
+              "properties": {"plain": {"$ref": "#/$defs/P"},
+                             "more": {"allOf": [{"$ref": "#/$defs/P"},
+                                                {"properties": {"y": {"type": "boolean"}}, "required": ["y"]}]}},
+              "required": ["plain", "more"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"plain": {"x": 1}, "more": {"x": 2, "y": True}}))
+
+
+def test_required_key_missing_from_properties_is_not_closed_away(llt, smol_tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a", "b"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"a": 1, "b": 2}))
+
+
+def test_agent_runs_a_tool_whose_properties_sit_in_allof(tiny_target):
+    seen = []
+    agent = Agent(Generator(tiny_target, drafter="none"), [Tool.from_schema("trip", ALLOF_TRIP, fn=seen.append)],
+                  max_steps=1, max_string_length=8)
+    res = agent.run("Trip to Oslo for 3 days", tool_choice="required", max_new_tokens=64)
+    assert res.tool_calls and not res.truncated
+    assert set(res.tool_calls[0].call.arguments) == {"city", "days"}
+
+
+# -- 1. grammar-only bounds never make a schema unsatisfiable -----------------------------------------------------
+@pytest.mark.parametrize("prop,value", [
+    ({"type": "string", "minLength": 300}, "x" * 300),
+    ({"type": "integer", "minimum": 10 ** 16}, 10 ** 16),
+    ({"type": "integer", "maximum": -(10 ** 16)}, -(10 ** 16)),
+    ({"type": "number", "minimum": 0.123456785, "maximum": 0.123456789}, 0.123456787),
+    ({"allOf": [{"type": "string"}, {"minLength": 300}]}, "y" * 300),
+], ids=["minLength>cap", "min1e16", "max-1e16", "no-8-decimal-multiple", "minLength-in-branch"])
+def test_grammar_bounds_never_make_a_schema_unsatisfiable(llt, smol_tokenizer, prop, value):
+    schema = {"type": "object", "properties": {"v": prop}, "required": ["v"]}
+    tools = tools_of(Tool.from_schema("f", schema))
+    grammar = turn_grammar(tools, "required", max_string_length=200, max_decimals=8)
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"v": value}))
+
+
+def test_grammar_bounds_still_bound_unbounded_values(llt, smol_tokenizer):
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "n": {"type": "number"}}, "required": ["s"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_string_length=5, max_decimals=2)
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"s": "abcde", "n": 1.25}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"s": "abcdef"}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"s": "a", "n": 1.255}))
+
+
+# -- 2. calendar dates -------------------------------------------------------------------------------------------
+def book_room(room: str, start: datetime.datetime, day: datetime.date) -> str:
+    """Book a room.
+
+    Args:
+        room: Room name.
+        start: Start time.
+        day: Day.
+    """
+    return room
+
+
+@pytest.mark.parametrize("day,ok", [("2024-02-29", True), ("2023-02-29", False), ("2000-02-29", True),
+                                    ("1900-02-29", False), ("2023-04-31", False), ("2023-04-30", True),
+                                    ("2023-12-31", True), ("0000-01-01", False)])
+def test_grammar_admits_only_real_calendar_dates(llt, smol_tokenizer, day, ok):
+    grammar = turn_grammar(tools_of(book_room), "required")
+    args = {"room": "A", "start": f"{day}T10:00:00Z", "day": day}
+    assert accepts(llt, smol_tokenizer, grammar, call("book_room", args)) is ok
+    good_start = {**args, "start": "2024-01-01T10:00:00Z"}
+    assert accepts(llt, smol_tokenizer, grammar, call("book_room", good_start)) is ok
+
+
+def test_json_schema_grammar_date_with_its_own_pattern_is_still_a_calendar_date(llt, smol_tokenizer):
+    from constraints import json_schema_grammar
+
+    g = json_schema_grammar({"type": "string", "format": "date", "pattern": "^20"})
+    assert accepts(llt, smol_tokenizer, g, '"2024-02-29"')
+    assert not accepts(llt, smol_tokenizer, g, '"2023-02-29"')
+    assert not accepts(llt, smol_tokenizer, g, '"1999-01-01"')
+
+
+# every format docs/schema-support.md says is enforced: validation rejects what the format forbids
+@pytest.mark.parametrize("fmt,bad,good", [
+    ("date", "2023-02-29", "2024-02-29"), ("date-time", "2023-02-29T10:00:00Z", "2024-02-29T10:00:00Z"),
+    ("time", "25:00:00Z", "23:59:59Z"), ("duration", "P", "P1D"), ("email", "nobody", "a@b.org"),
+    ("hostname", "-bad-", "example.org"), ("ipv4", "1.2.3.999", "1.2.3.4"), ("ipv6", "1::2::3", "::1"),
+    ("uuid", "1234", "123e4567-e89b-12d3-a456-426614174000"), ("uri", "no scheme", "https://x.org/a")])
+def test_raw_schema_tool_validation_checks_every_documented_format(fmt, bad, good):
+    tool = Tool.from_schema("f", {"type": "object", "properties": {"v": {"type": "string", "format": fmt}},
+                                  "required": ["v"]})
+    assert tool.validate({"v": good}) == {"v": good}
+    with pytest.raises(ToolCallError, match="format"):
+        tool.validate({"v": bad})
+
+
+def test_response_format_validation_checks_formats():
+    from schemas import ResponseFormat
+
+    rf = ResponseFormat({"type": "object", "properties": {"day": {"type": "string", "format": "date"}}})
+    with pytest.raises(ToolCallError, match="format"):
+        rf.validate({"day": "2023-02-29"})
+
+
+# -- 5. response_format objects are closed like tool arguments ------------------------------------------------------
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]},
+    ALLOF_TRIP], ids=["plain", "allOf"])
+def test_response_format_is_closed_with_the_tool_rule(llt, smol_tokenizer, schema):
+    grammar = turn_grammar([], "none", response_format=schema)
+    value = {"city": "Oslo", "days": 3} if "allOf" in schema else {"city": "Oslo"}
+    assert accepts(llt, smol_tokenizer, grammar, json.dumps(value))
+    assert not accepts(llt, smol_tokenizer, grammar, json.dumps({**value, "extra": 1}))
