@@ -11,6 +11,7 @@ branch per tool (the name, a ``const``, selects the arguments schema), and/or a 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Iterable
 
 from constraints import lark_grammar, lark_json, schema_compiles
@@ -112,12 +113,39 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_too
             raise ValueError(f"message {bad[0]} holds a special-token string and the chat template rewrites message "
                              f"content, so it cannot be kept plain text; remove the special-token strings")
         return tokenizer.encode(text, add_special_tokens=False)
+    plain = _plain_text_encoder(tokenizer)
     ids: list[int] = []
     for i, piece in enumerate(pieces):  # even: template text (control tokens parsed); odd: message content
-        if not piece:
-            continue
-        ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=bool(i % 2))
+        if piece:
+            ids += plain(piece) if i % 2 else tokenizer.encode(piece, add_special_tokens=False)
     return ids
+
+
+_PLAIN_ENCODERS: dict[int, Any] = {}
+_PLAIN_LOCK = threading.Lock()
+
+
+def _plain_text_encoder(tokenizer):
+    """``text -> ids`` with special-token strings kept as plain text.
+
+    A private copy of the fast tokenizer's backend with ``encode_special_tokens`` set once: HF's
+    ``split_special_tokens=True`` flips that flag on the *shared* backend for the duration of a call, so another
+    thread encoding the template at the same time would lose its control tokens. Slow tokenizers use
+    ``split_special_tokens`` (they keep no such shared flag).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda text: tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    with _PLAIN_LOCK:
+        entry = _PLAIN_ENCODERS.get(id(tokenizer))
+        if entry is None or entry[0] is not tokenizer:
+            from tokenizers import Tokenizer
+
+            copy = Tokenizer.from_str(backend.to_str())
+            copy.encode_special_tokens = True
+            entry = _PLAIN_ENCODERS[id(tokenizer)] = (tokenizer, copy)
+    copy = entry[1]
+    return lambda text: copy.encode(text, add_special_tokens=False).ids
 
 
 def _template_pieces(tokenizer, chat: list[dict], text: str) -> list[str] | None:

@@ -87,3 +87,15 @@ def test_agent_prompt_keeps_injected_markers_as_text(smol_tokenizer, role):
     im_start = smol_tokenizer.convert_tokens_to_ids("<|im_start|>")
     # system, the messages, and the generation prompt: one <|im_start|> each, none from the content
     assert ids.count(im_start) == 1 + len(msgs) + 1
+
+
+def test_rendering_from_many_threads_keeps_the_template_control_tokens(smol_tokenizer):
+    """Plain-text encoding of content must not switch special-token parsing off for a concurrent render."""
+    import concurrent.futures
+
+    tools = [Tool.from_function(get_time)]
+    convs = [conversation(INJECTION * (i % 3)) for i in range(64)]
+    sequential = [render_prompt(smol_tokenizer, c, tools) for c in convs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        threaded = list(pool.map(lambda c: render_prompt(smol_tokenizer, c, tools), convs))
+    assert threaded == sequential
