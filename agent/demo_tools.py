@@ -1,9 +1,15 @@
-"""Three example tools for ``python -m agent demo``: weather from a local table, a calculator, a unit converter."""
+"""Three example tools for ``python -m agent demo``: weather from a local table, a calculator, a unit converter.
+
+Each argument carries the constraints a careful user would give, so the grammar can enforce them: the city is one
+of the table's (enum), the expression is arithmetic characters only (pattern, at most 64), the length is bounded.
+"""
 from __future__ import annotations
 
 import ast
 import operator
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 WEATHER = {
     "paris": {"temperature_c": 18, "condition": "cloudy"},
@@ -13,11 +19,12 @@ WEATHER = {
 }
 
 
-def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius") -> dict:
+def get_weather(city: Literal["Paris", "London", "Tokyo", "New York"],
+                unit: Literal["celsius", "fahrenheit"] = "celsius") -> dict:
     """Get the current weather in a city.
 
     Args:
-        city: The city name, e.g. Paris.
+        city: The city name.
         unit: Temperature unit.
     """
     row = WEATHER.get(city.strip().lower())
@@ -32,11 +39,11 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.Mod: operator.mod}
 
 
-def calculate(expression: str) -> float:
+def calculate(expression: Annotated[str, Field(pattern=r"^[0-9 +*/%().-]{1,64}$")]) -> float:
     """Evaluate an arithmetic expression with + - * / ** % and parentheses.
 
     Args:
-        expression: The arithmetic expression, e.g. (3 + 4) * 12.
+        expression: The arithmetic expression, digits and operators only.
     """
     def ev(node):
         if isinstance(node, ast.Expression):
@@ -54,7 +61,7 @@ def calculate(expression: str) -> float:
 _LENGTH_M = {"m": 1.0, "km": 1000.0, "cm": 0.01, "mm": 0.001, "mile": 1609.344, "ft": 0.3048, "inch": 0.0254}
 
 
-def convert_units(value: float, from_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"],
+def convert_units(value: Annotated[float, Field(ge=0, le=1e9)], from_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"],
                   to_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"]) -> dict:
     """Convert a length between units.
 

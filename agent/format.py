@@ -17,6 +17,8 @@ from typing import Any, Iterable
 from constraints import lark_grammar, lark_json, schema_compiles
 from schemas import Tool, ToolCallError, ToolRegistry, call_schema, narrow_for_grammar
 
+# The system prompt shows the layout with placeholders only: a worked example's values (a city, a date) were copied
+# into answers (4 of 200 never-seen BFCL questions on SmolLM2-135M).
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # Separators inside tool calls: json.dumps' own (", ", ": "), fixed (no free whitespace). SmolLM2 was trained on
@@ -32,8 +34,8 @@ You have access to the following tools:
 
 To call tools, the output MUST strictly adhere to the following format, and NO other text MUST be included.
 Please make sure the parameter type is correct and take the argument values from the question.
-For example, for the question "Find me a flight from Oslo to Rome" and a tool book_flight(origin, destination), the output is:
-<tool_call>[{{"name": "book_flight", "arguments": {{"origin": "Oslo", "destination": "Rome"}}}}]</tool_call>"""
+The output is one JSON array of calls (placeholders in angle brackets):
+<tool_call>[{{"name": <function-name>, "arguments": <args-json-object>}}]</tool_call>"""
 
 
 # After tool results, small models answer far better without the tool-listing prompt (measured on SmolLM2-135M:
@@ -170,8 +172,8 @@ def _template_pieces(tokenizer, chat: list[dict], text: str) -> list[str] | None
 
 def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool = True,
                  response_format: dict | None = None, max_string_length: int | None = None,
-                 max_decimals: int | None = None):
-    """The Lark grammar of one assistant turn.
+                 max_decimals: int | None = None, tokenizer=None):
+    """The Lark grammar of one assistant turn in the ``generic`` format (see ``ToolFormat.turn_grammar``).
 
     Args:
         tools: tools the model may call (already filtered for a named ``tool_choice``).

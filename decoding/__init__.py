@@ -3,8 +3,9 @@ from schemas.errors import SpecAgentError
 
 from .decoder import decode
 from .drafters import ChainDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SchemaDrafter
-from .generator import Generator
-from .loader import DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundError, load_model
+from .generator import ContextLengthError, Generator
+from .loader import (DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundError, UnsupportedModelError,
+                     load_model)
 from .model import CausalLM
 from .sampling import SamplingParams
 from .mtp import MTPError
@@ -12,6 +13,7 @@ from .registry import DEFAULT_DRAFTER, DRAFTERS, check_drafter, make_drafter
 from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
-__all__ = ["CausalLM", "ChainDrafter", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DRAFTERS", "DecodeResult", "DecodeStats",
-           "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel", "MTPError", "ModelNotFoundError",
-           "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError", "check_drafter", "decode", "load_model", "make_drafter", "speculative_decode"]
+__all__ = ["CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DRAFTERS",
+           "DecodeResult", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
+           "MTPError", "ModelNotFoundError", "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError",
+           "UnsupportedModelError", "check_drafter", "decode", "load_model", "make_drafter", "speculative_decode"]

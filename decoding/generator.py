@@ -17,6 +17,7 @@ import threading
 from typing import Callable
 
 from constraints import ConstraintState, Grammar, llg_tokenizer
+from schemas.errors import SpecAgentError
 
 from .decoder import decode
 from .drafters import Drafter
@@ -29,7 +30,11 @@ from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-__all__ = ["DEFAULT_DRAFTER", "DRAFTERS", "Generator"]
+__all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DRAFTERS", "Generator"]
+
+
+class ContextLengthError(SpecAgentError, ValueError):
+    """The prompt does not fit the model's context (``max_position_embeddings``) with room for one new token."""
 
 
 class Generator:
@@ -106,10 +111,18 @@ class Generator:
                 token stops with ``"grammar"``, not ``"length"``.
             on_text: called with each new piece of decoded text as tokens are committed (streaming).
         Raises:
+            ContextLengthError: ``prompt`` leaves no room in the model's context; ``max_new_tokens`` is otherwise
+                cut to what fits.
             ValueError: ``max_new_tokens`` is not an integer >= 1, or the drafter is unknown.
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        limit = self.loaded.context_length
+        if limit is not None:
+            if len(prompt) >= limit:
+                raise ContextLengthError(f"the prompt is {len(prompt)} tokens; {self.loaded.name} takes at most "
+                                         f"{limit} (prompt + new tokens): shorten the messages or the tool list")
+            max_new_tokens = min(max_new_tokens, limit - len(prompt))
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = drafter or self.drafter
         target = CausalLM(self.loaded)

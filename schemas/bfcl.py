@@ -3,7 +3,7 @@
 Dialect (see ``../shared/data/bfcl/NONSTANDARD_TYPES.md``): ``dict`` -> object, ``float``/``double`` -> number,
 ``tuple`` -> array, ``any`` or ``""`` -> no type constraint, Java/JS names (``String``, ``Boolean``, ``long``,
 ``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a non-standard ``optional`` key dropped, string
-booleans in ``default`` turned into booleans.
+booleans in ``default`` turned into booleans, an ``enum`` of scalars on an array moved to its ``items``.
 """
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = Tru
             continue
         else:
             out[k] = v
+    enum = out.get("enum")
+    if out.get("type") == "array" and isinstance(enum, list) and enum and not any(isinstance(e, list) for e in enum):
+        # BFCL writes the allowed values of an array's items on the array (live_simple: "metrics"): move them
+        out["items"] = {**out.get("items", {}), "enum": out.pop("enum")}
     if out.get("type") == "object" and "properties" in out:
         props = out["properties"]
         out["required"] = [r for r in out.get("required", []) if r in props]

@@ -59,7 +59,7 @@ def test_tool_that_raises_gets_its_error_fed_back_and_the_run_goes_on(gen):
 
 def test_named_tool_choice_forces_that_tool(gen):
     agent = Agent(gen, [lookup, broken], max_steps=1, max_string_length=8)
-    res = agent.run("anything", tool_choice={"name": "broken"}, max_new_tokens=40)
+    res = agent.run("anything", tool_choice={"name": "broken"}, parallel_tool_calls=False, max_new_tokens=40)
     assert [r.call.name for r in res.tool_calls] == ["broken"]
 
 

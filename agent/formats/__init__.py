@@ -1,0 +1,58 @@
+"""Tool-call formats, one per model family, behind one interface (:class:`ToolFormat`: render, turn grammar, parse).
+
+    ``hermes``       Qwen2.5, Qwen3, Hermes: ``<tool_call>\\n{"name", "arguments"}\\n</tool_call>`` per call.
+    ``llama3_json``  Llama 3.1/3.2: one bare ``{"name", "parameters"}`` per turn (no parallel calls).
+    ``generic``      templates without ``tools=`` (SmolLM2): our system prompt, ``<tool_call>[...]</tool_call>``.
+
+:func:`detect_format` chooses from the chat template's text (never the model's file name).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import ToolFormat, ToolFormatError
+from .generic import GenericFormat
+from .hermes import HermesFormat
+from .llama3 import Llama3JsonFormat
+
+FORMATS: dict[str, type[ToolFormat]] = {"hermes": HermesFormat, "llama3_json": Llama3JsonFormat,
+                                        "generic": GenericFormat}
+
+
+def detect_format(chat_template: str | None) -> str:
+    """The format name for a chat template's text.
+
+    ``hermes`` when the template takes ``tools`` and writes ``<tool_call>``; ``llama3_json`` when it takes ``tools``
+    and writes Llama 3's ``"parameters"`` under ``<|start_header_id|>``; otherwise ``generic``.
+    """
+    t = chat_template or ""
+    takes_tools = "tools" in t
+    if takes_tools and "<tool_call>" in t:
+        return "hermes"
+    if takes_tools and "<|start_header_id|>" in t and "parameters" in t:
+        return "llama3_json"
+    return "generic"
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """``template`` itself, or the text of the file it names (``.jinja`` / ``.txt`` / any existing path)."""
+    if template and "{" not in template and Path(template).expanduser().is_file():
+        return Path(template).expanduser().read_text()
+    return template
+
+
+def make_format(tokenizer, tool_format: str | None = None, chat_template: str | None = None) -> ToolFormat:
+    """The format object for ``tokenizer`` (detected from its chat template unless ``tool_format`` names one).
+
+    Raises:
+        ToolFormatError: unknown ``tool_format``, or no chat template on the tokenizer nor given.
+    """
+    template = load_chat_template(chat_template) or getattr(tokenizer, "chat_template", None)
+    name = tool_format or detect_format(template)
+    if name not in FORMATS:
+        raise ToolFormatError(f"unknown tool_format {name!r}; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name](tokenizer, template)
+
+
+__all__ = ["FORMATS", "GenericFormat", "HermesFormat", "Llama3JsonFormat", "ToolFormat", "ToolFormatError",
+           "detect_format", "load_chat_template", "make_format"]

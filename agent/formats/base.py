@@ -1,0 +1,207 @@
+"""The interface every tool-call format implements, and what the formats share.
+
+A format is how one model family was trained to see tools and write calls:
+    * ``render``: OpenAI-style messages + tools -> prompt token ids (the chat template, generation prompt added);
+    * ``turn_grammar``: the llguidance grammar of one assistant turn (calls in the family's layout, and/or an answer,
+      per ``tool_choice``), argument schemas enforced exactly, no free whitespace;
+    * ``parse``: the decoded turn text -> calls ``[{"name", "arguments"}]`` or an answer.
+
+Markers that are single added tokens in the vocabulary (Qwen's ``<tool_call>`` is id 151657) are named in the grammar
+as tokens (llguidance's ``<[id]>``): llguidance matches no text against a special token, so a quoted ``"<tool_call>"``
+would never match the token the model writes.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from constraints import Grammar, lark_grammar, lark_json, schema_compiles
+from schemas import Tool, call_schema, narrow_for_grammar
+from schemas.errors import SpecAgentError
+
+# json.dumps' own separators: what chat templates' ``tojson`` writes, so what the models saw in training.
+SEPARATORS = (", ", ": ")
+
+
+class ToolFormatError(SpecAgentError, ValueError):
+    """A tool-call format cannot do what was asked (unknown format, several calls where the family has no layout
+    for them, no chat template)."""
+
+
+class ToolFormat:
+    """One model family's tool-call format, bound to a tokenizer (and optionally a chat template override).
+
+    Attributes:
+        name: the format's name (``Agent(tool_format=name)``).
+        parallel: the family has a trained layout for several calls in one turn.
+    """
+
+    name = "base"
+    parallel = True
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer  # None: grammar only, markers as text
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        if tokenizer is not None and not self.chat_template:
+            raise ToolFormatError(
+                "the tokenizer has no chat template (tokenizer.chat_template is not set); pass one: "
+                "Agent(..., chat_template=TEXT_OR_PATH) or `python -m agent ... --chat-template FILE`")
+
+    # -- the interface --------------------------------------------------------------------------------------------
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+        """Prompt token ids for OpenAI-style ``messages`` (generation prompt added)."""
+        raise NotImplementedError
+
+    def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,
+                     response_format: dict | None = None, max_string_length: int | None = None,
+                     max_decimals: int | None = None, after_results: bool = False) -> Grammar:
+        """The grammar of one assistant turn.
+
+        Args:
+            tools: tools the model may call (already filtered for a named ``tool_choice``).
+            tool_choice: ``"auto"`` (calls or an answer), ``"required"`` (calls), ``"none"`` (an answer only).
+            parallel: allow several calls in one turn (None: as the format allows).
+            response_format: JSON Schema of the final answer (replaces free text).
+            max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``).
+            after_results: the turn follows tool results (a format may narrow the call layouts it accepts).
+        Raises:
+            ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
+        """
+        parallel = self.check_parallel(parallel)
+        rules, start = [], []
+        if tool_choice != "none" and tools:
+            schema = self.call_object_schema(call_schema(tools, max_string_length=max_string_length,
+                                                         max_decimals=max_decimals, compiles=schema_compiles))
+            lenient = any(not t.strict for t in tools)
+            rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
+            rules.append(f"calls: {self.calls_rule(parallel, after_results)}")
+            start.append("calls")
+        if tool_choice != "required" or not tools:
+            if response_format is not None:
+                # closed like tool arguments (the model cannot add undeclared keys); validated against the original
+                answer = narrow_for_grammar(response_format, compiles=schema_compiles)
+                rules.append(f"answer: {lark_json(answer, separators=SEPARATORS)}")
+            else:
+                first = self.answer_first_char_excluded() if start else ""
+                rules.append(f"answer: TEXT\nTEXT: /[^{re.escape(first)}\\s](.|\\n)*/")
+            start.append("answer")
+        return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
+
+    def parse(self, text: str) -> tuple[list[dict] | None, str]:
+        """Decoded turn text -> (calls ``[{"name", "arguments"}]`` or None, answer text). Raises ValueError on a
+        call that is not well-formed JSON (possible only when a turn was cut)."""
+        raise NotImplementedError
+
+    def is_call(self, text: str) -> bool:
+        """The turn text starts a tool call (rather than an answer)."""
+        raise NotImplementedError
+
+    # -- what the subclasses fill in ------------------------------------------------------------------------------
+    def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
+        """The Lark body of ``calls`` in terms of the ``call`` rule (one call object)."""
+        raise NotImplementedError
+
+    def call_object_schema(self, schema: dict) -> dict:
+        """The call schema ``{"name", "arguments"}`` as this family writes it (default: unchanged)."""
+        return schema
+
+    def answer_first_char_excluded(self) -> str:
+        """Characters a text answer may not start with when calls are allowed (so an answer never opens a call)."""
+        return "<"
+
+    def check_parallel(self, parallel: bool | None) -> bool:
+        if parallel is None:
+            return self.parallel
+        if parallel and not self.parallel:
+            raise ToolFormatError(
+                f"tool format {self.name!r} has no trained layout for several calls in one turn; "
+                f"use parallel_tool_calls=False (the model calls one tool per turn)")
+        return parallel
+
+    # -- shared helpers -------------------------------------------------------------------------------------------
+    def marker(self, text: str) -> str:
+        """The Lark term for ``text``: ``<[id]>`` when it is one added token of the vocabulary, else a literal."""
+        tid = None if self.tokenizer is None else single_added_token(self.tokenizer, text)
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    def encode_chat(self, chat: list[dict], **template_kwargs: Any) -> list[int]:
+        """Apply the chat template and tokenize: only the template's own markers become special tokens.
+
+        Message content is tokenized as plain text, so a user or tool result that contains ``<|im_end|>`` (or any
+        added token's text) cannot forge a control token.
+        """
+        tok = self.tokenizer
+        kwargs = dict(add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, **template_kwargs)
+        added = [t for t in tok.get_added_vocab()]
+        if not any(isinstance(m.get("content"), str) and any(a in m["content"] for a in added) for m in chat):
+            return tok.encode(tok.apply_chat_template(chat, **kwargs), add_special_tokens=False)
+        contents: dict[str, str] = {}
+        masked = []
+        for i, m in enumerate(chat):
+            if isinstance(m.get("content"), str) and m["content"]:
+                key = f"\ue000{i}\ue001"
+                contents[key] = m["content"]
+                m = {**m, "content": key}
+            masked.append(m)
+        from ..format import _plain_text_encoder  # a private tokenizer copy: thread-safe plain-text encoding
+
+        plain = _plain_text_encoder(tok)
+        ids: list[int] = []
+        for piece in re.split("(\ue000\\d+\ue001)", tok.apply_chat_template(masked, **kwargs)):
+            if piece in contents:
+                ids += plain(contents[piece])
+            elif piece:
+                ids += tok.encode(piece, add_special_tokens=False)
+        return ids
+
+
+def single_added_token(tokenizer, text: str) -> int | None:
+    """The id of ``text`` when the vocabulary has it as one added token, else None."""
+    tid = tokenizer.get_added_vocab().get(text)
+    return int(tid) if tid is not None else None
+
+
+def openai_tools(tools: list[Tool]) -> list[dict]:
+    """``[{"type": "function", "function": {name, description, parameters}}]`` for a chat template's ``tools=``."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in tools]
+
+
+def call_arguments(tool_call: dict) -> tuple[str, dict]:
+    """(name, arguments dict) of an OpenAI-style ``tool_calls`` entry (arguments may be a JSON string)."""
+    fn = tool_call.get("function", tool_call)
+    args = fn.get("arguments", {})
+    return fn["name"], (json.loads(args) if isinstance(args, str) else args)
+
+
+def template_chat(messages: list[dict], *, one_call_per_turn: bool = False) -> list[dict]:
+    """OpenAI-style messages -> messages for a chat template that takes ``tools=``: assistant calls with their
+    arguments as dicts (the template writes them with ``tojson``), tool results as text in the ``tool`` role.
+
+    ``one_call_per_turn``: an assistant turn with several calls becomes one turn per call (Llama 3's template
+    renders exactly one).
+    """
+    chat = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"type": "function", "function": dict(zip(("name", "arguments"), call_arguments(tc)))}
+                     for tc in m["tool_calls"]]
+            groups = [[c] for c in calls] if one_call_per_turn else [calls]
+            for i, group in enumerate(groups):
+                chat.append({"role": "assistant", "content": (m.get("content") or "") if i == 0 else "",
+                             "tool_calls": group})
+        elif m["role"] == "tool":
+            chat.append({"role": "tool", "content": content_text(m), "name": m.get("name"),
+                         "tool_call_id": m.get("tool_call_id")})
+        else:
+            chat.append({"role": m["role"], "content": content_text(m)})
+    return chat
+
+
+def content_text(message: dict) -> str:
+    """A message's content as text (non-string tool results as JSON)."""
+    c = message.get("content")
+    if c is None:
+        return ""
+    return c if isinstance(c, str) else json.dumps(c, ensure_ascii=False)

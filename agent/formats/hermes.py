@@ -1,0 +1,89 @@
+"""``hermes``: Qwen2.5, Qwen3 and Hermes models.
+
+The tokenizer's own chat template renders the prompt with ``tools=`` (it lists the tools and explains the layout);
+earlier calls and tool results go through the template's own roles. A turn writes one block per call::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+    <tool_call>
+    ...
+
+``<tool_call>`` / ``</tool_call>`` are single added tokens in Qwen's vocabulary: the grammar names them as tokens.
+
+The same call objects written bare, one per line, with no marker, are accepted too: Qwen2.5-Coder-Instruct writes
+its calls that way (measured on Qwen2.5-Coder-0.5B for "What is 2 plus 40?" with an ``add`` tool: first-token
+probability 0.74 for ``{"``, 4e-11 for ``<tool_call>``). The model picks the layout; both parse the same. A text
+answer may then not start with ``<`` or ``{``.
+
+After tool results the turn is rendered the way ``generic`` renders it (a short answer instruction instead of the
+tool list) and only the marked layout can call again: with the tool list and bare calls allowed, Qwen2.5-Coder-0.5B
+repeats its call instead of answering (first-token probability 0.97 for ``{"`` after the result of ``add``).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from schemas import Tool
+
+from ..format import ANSWER_SYSTEM_PROMPT
+from .base import ToolFormat, openai_tools, template_chat
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    parallel = True
+
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+        chat = template_chat(messages)
+        if use_tools and tools and messages and messages[-1]["role"] == "tool":
+            if chat[0]["role"] == "system":
+                chat[0] = {"role": "system", "content": chat[0]["content"] + "\n\n" + ANSWER_SYSTEM_PROMPT}
+            else:
+                chat.insert(0, {"role": "system", "content": ANSWER_SYSTEM_PROMPT})
+            use_tools = False
+        extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
+        return self.encode_chat(chat, **extra)
+
+    def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
+        block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
+        if after_results:
+            return f'{block} ("\\n" {block})*' if parallel else block
+        if not parallel:
+            return f"{block} | call"
+        return f'{block} ("\\n" {block})* | call ("\\n" call)*'
+
+    def answer_first_char_excluded(self) -> str:
+        return "<{"
+
+    def is_call(self, text: str) -> bool:
+        s = text.lstrip()
+        return s.startswith(OPEN) or s.startswith('{"name"')
+
+    def parse(self, text: str) -> tuple[list[dict] | None, str]:
+        if not self.is_call(text):
+            return None, text
+        s = text.strip()
+        bodies = _BLOCK.findall(s) if s.startswith(OPEN) else _bare_objects(s)
+        if not bodies:
+            raise ValueError(f"no complete {OPEN} block in {text[:80]!r}")
+        calls = []
+        for body in bodies:
+            obj = json.loads(body) if isinstance(body, str) else body
+            calls.append({"name": obj["name"], "arguments": obj["arguments"]})
+        return calls, ""
+
+
+def _bare_objects(text: str) -> list[dict]:
+    """The JSON objects of ``text`` written one after another (whitespace between)."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        obj, i = decoder.raw_decode(text, i)
+        out.append(obj)
+        while i < len(text) and text[i].isspace():
+            i += 1
+    return out

@@ -1,0 +1,54 @@
+"""The default model, Qwen2.5-Coder-0.5B-Instruct, in its own ``hermes`` format (marked ``slow``: needs
+``make model-default``, 491 MB; ~1 minute on one core)."""
+from __future__ import annotations
+
+import pytest
+
+from agent import Agent
+from agent.bfcl import load_questions, score
+from decoding import Generator, ModelNotFoundError, load_model
+from schemas.bfcl import tool_from_bfcl
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.slow
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: First addend.
+        b: Second addend.
+    """
+    return a + b
+
+
+@pytest.fixture(scope="module")
+def gen():
+    try:
+        return Generator(load_model("qwen2.5-coder-0.5b"))
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not installed ({e}); run `make model-default`")
+
+
+def test_default_model_calls_add_and_answers_42_with_auto_tool_choice(gen):
+    agent = Agent(gen, [add])
+    assert agent.format.name == "hermes"
+    res = agent.run("What is 2 plus 40?")
+    assert [(r.call.name, r.call.arguments) for r in res.tool_calls] == [("add", {"a": 2, "b": 40})]
+    assert "42" in res.final_answer
+
+
+def test_bfcl_calls_are_token_identical_across_drafters_and_validate(gen):
+    for row in load_questions("simple_python", FIXTURES, limit=3):
+        tools = [tool_from_bfcl(fn) for fn in row["function"]]
+        agent = Agent(gen, tools, strict=False, max_string_length=200, max_decimals=8)
+        messages = [m for turn in row["question"] for m in turn]
+        runs = {d: agent.run(messages, tool_choice="required", max_steps=1, parallel_tool_calls=False,
+                             max_new_tokens=128, drafter=d) for d in ("none", "lookup")}
+        assert runs["none"].raw_turns == runs["lookup"].raw_turns, row["id"]
+        calls, _ = agent.format.parse(runs["none"].raw_turns[0])
+        for c in calls:
+            agent.registry.parse_call(c)
+        assert score(calls, row["ground_truth"]), (row["id"], calls)
