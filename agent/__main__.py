@@ -1,4 +1,4 @@
-"""Command line: ``python -m agent demo | run | bfcl``."""
+"""Command line: ``python -m agent demo | run | bfcl | serve``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DRAFTERS, KNOWN_MODELS
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, KNOWN_MODELS
 from schemas import SpecAgentError
 
 
@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="tool-call format (default: detected from the chat template)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (for a model without one)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS)
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="γ, drafter tokens per window")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
     p.add_argument("--device", default="cpu")
@@ -121,20 +121,26 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_bfcl(args) -> int:
-    from decoding import Generator
+def _config(args):
+    from .engine import EngineConfig
 
+    return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
+                        max_string_length=args.max_string_length, max_decimals=args.max_decimals,
+                        max_new_tokens=args.max_new_tokens)
+
+
+def cmd_bfcl(args) -> int:
     from .agent import Agent
     from .bfcl import CATEGORIES, run_bfcl, summary_table
+    from .engine import LocalEngine
     from .formats import ToolFormatError
 
-    gen = Generator(args.model, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
-                    adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
+    engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+                         tool_format=args.tool_format, chat_template=args.chat_template)
+    config = _config(args)
 
     def factory(tools):
-        return Agent(gen, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, strict=False,
-                     max_string_length=args.max_string_length, max_decimals=args.max_decimals,
-                     tool_format=args.tool_format, chat_template=args.chat_template)
+        return Agent(engine, tools, config=config, strict=False)
 
     categories = CATEGORIES if args.category == "all" else args.category.split(",")
     summaries = []
@@ -148,8 +154,16 @@ def cmd_bfcl(args) -> int:
                 raise SystemExit(f"bfcl {category}: {e}") from None
             summaries.append({"category": category, "split": args.split, "error": str(e).split(";")[0]})
     if len(categories) > 1:
-        print(f"\nmodel {gen.loaded.name}, drafter {args.drafter}, split {args.split}, limit {args.limit}")
+        print(f"\nmodel {engine.name}, drafter {args.drafter}, split {args.split}, limit {args.limit}")
         print(summary_table(summaries))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
+          concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
     return 0
 
 
@@ -181,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-decimals", type=int, default=MAX_DECIMALS,
                    help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
     p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
+    p = sub.add_parser("serve", help="OpenAI-compatible server: POST /v1/chat/completions, GET /v1/models, /health")
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait; more get HTTP 429")
+    p.add_argument("--concurrency", type=int, default=1, help="decodes at once over the one model")
+    p.add_argument("--max-string-length", type=int, default=None, help="default grammar cap on unbounded strings")
+    p.add_argument("--max-decimals", type=int, default=None, help="default grammar bound on numbers")
+    p.set_defaults(fn=cmd_serve)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

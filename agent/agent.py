@@ -11,12 +11,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pydantic
 
-from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DecodeStats, Generator, LoadedModel, SamplingParams,
-                      check_drafter)
+from decoding import DEFAULT_MODEL, DecodeStats, Generator, LoadedModel
 from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
-from .format import filter_tools
-from .formats import ToolFormat, make_format
+from .engine import Engine, EngineConfig, LocalEngine, build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -83,65 +81,81 @@ class Agent:
     """A tool-calling agent whose every tool call and structured output validates against its schema.
 
     Args:
-        model: a :class:`LoadedModel`, a :class:`Generator`, or a spec for ``decoding.load_model``
-            (default ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct from its PyPI part packages, ``make
-            models``).
+        model: an :class:`~agent.engine.Engine` (``LocalEngine``, ``agent.remote.OpenAIEngine``), a
+            :class:`Generator`, a :class:`LoadedModel`, or a spec for ``decoding.load_model`` (default
+            ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct from its PyPI part packages, ``make models``).
         tools: functions, pydantic models, OpenAI tool dicts or :class:`Tool` objects.
-        drafter: ``none``, ``forced``, ``schema``, ``lookup`` (default) or ``draft_model``.
-        num_draft_tokens: γ.
+        config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
+            ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals`` override its
+            fields (None: keep).
+        draft_model, device, dtype: load-time arguments, only when the agent loads the model (ValueError with a
+            ready engine or Generator, where they would be ignored).
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
             validates every output (failed calls are retried ``max_retries`` times with the error fed back).
         tool_timeout: seconds a tool may run before its call gets a timeout error (None: no limit).
         parallel_tool_execution: run the calls of one turn concurrently when every tool is ``thread_safe``.
-        max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded, so a small
-            model cannot run away inside a string (None: no cap). Outputs stay schema-valid.
-        max_decimals: grammar bound on numbers: at most this many decimals, no exponent, ``|x| <= 1e15``
-            (None: unbounded).
-        tool_format: ``hermes``, ``llama3_json`` or ``generic`` (None: detected from the chat template; see
-            ``agent/formats``).
-        chat_template: a Jinja chat template (text or a file path) replacing the tokenizer's, or supplying one
-            where the model has none.
+        tool_format, chat_template: the local engine's tool-call format (``hermes``, ``llama3_json``, ``generic``;
+            None: detected from the chat template) and a Jinja chat template replacing the tokenizer's (see
+            ``agent/formats``); only when the agent builds the engine.
+
+    The engine's settings have one owner: :attr:`config` (see :class:`EngineConfig`); ``run`` overrides it per run.
+
     Raises:
         ToolFormatError: unknown ``tool_format``, or the model has no chat template and none was given.
     """
 
-    def __init__(self, model: LoadedModel | Generator | str = DEFAULT_MODEL, tools: Iterable[Any] = (), *,
-                 drafter: str = DEFAULT_DRAFTER, num_draft_tokens: int = 4, adaptive: bool = False,
-                 draft_model: Any = None, device: str = "cpu", dtype: str = "float32", max_steps: int = 4,
+    def __init__(self, model: Engine | LoadedModel | Generator | str = DEFAULT_MODEL, tools: Iterable[Any] = (), *,
+                 config: EngineConfig | None = None, drafter: str | None = None, num_draft_tokens: int | None = None,
+                 adaptive: bool | None = None, max_string_length: int | None = None, max_decimals: int | None = None,
+                 draft_model: Any = None, device: str | None = None, dtype: str | None = None, max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
-                 parallel_tool_execution: bool = True, max_string_length: int | None = None,
-                 max_decimals: int | None = None, tool_format: str | None = None,
+                 parallel_tool_execution: bool = True, tool_format: str | None = None,
                  chat_template: str | None = None):
-        self.generator = model if isinstance(model, Generator) else Generator(
-            model, drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-            draft_model=draft_model, device=device, dtype=dtype)
-        check_drafter(drafter)
-        self.drafter = drafter
-        self.num_draft_tokens = num_draft_tokens
+        if isinstance(model, Engine):
+            ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
+                                      ("tool_format", tool_format), ("chat_template", chat_template)) if v is not None]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)} would be ignored: the engine is already built; pass them "
+                                 f"to the engine")
+            self.engine = model
+        else:
+            self.engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype,
+                                      tool_format=tool_format, chat_template=chat_template)
+        self.config = (config or EngineConfig()).override(
+            drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+            max_string_length=max_string_length, max_decimals=max_decimals)
         self.registry = ToolRegistry(strict=strict)
+        self._tool_sources: list[tuple[Any, bool | None]] = []
         for t in tools:
-            self.registry.register(t)
+            self.register(t)
         self.max_steps = max_steps
         self.tool_timeout = tool_timeout
         self.max_retries = max_retries
         self.parallel_tool_execution = parallel_tool_execution
-        self.max_string_length = max_string_length
-        self.max_decimals = max_decimals
-        self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
+        self._settings = dict(max_steps=max_steps, strict=strict, tool_timeout=tool_timeout, max_retries=max_retries,
+                              parallel_tool_execution=parallel_tool_execution)
 
     @property
-    def tokenizer(self):
-        return self.generator.tokenizer
+    def generator(self) -> Generator:
+        """The local engine's Generator (AttributeError for a remote engine)."""
+        return self.engine.generator
 
     def register(self, tool: Any, *, strict: bool | None = None) -> Tool:
         """Register one more tool (raises ToolError on duplicates, SchemaError on bad schemas)."""
-        return self.registry.register(tool, strict=strict)
+        registered = self.registry.register(tool, strict=strict)
+        self._tool_sources.append((tool, strict))
+        return registered
+
+    def spec(self) -> tuple:
+        """A picklable recipe of this agent (engine spec, tools as given, settings, config): :func:`agent_from_spec`
+        rebuilds it in another process (``run_batch(backend="ray")``)."""
+        return self.engine.spec(), list(self._tool_sources), dict(self._settings), self.config
 
     # -- public entry points -----------------------------------------------------------------------------------------
     def run(self, prompt: str | list[dict], *, tool_choice: Any = "auto", response_format: Any = None,
-            max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
-            parallel_tool_calls: bool | None = None, temperature: float = 0.0, top_p: float = 1.0,
+            max_new_tokens: int | None = None, max_total_tokens: int | None = None, max_steps: int | None = None,
+            parallel_tool_calls: bool | None = None, temperature: float | None = None, top_p: float | None = None,
             seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
         """Run the loop until a final answer, a call of a tool without a callable, or ``max_steps`` turns.
 
@@ -155,18 +169,20 @@ class Agent:
             max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
             parallel_tool_calls: allow several calls in one turn (None: when the tool format has a layout for
                 them; True raises ToolFormatError for a format that has none, e.g. ``llama3_json``).
-            temperature, top_p, seed: sampling (greedy when temperature is 0).
+            temperature, top_p, seed, drafter, num_draft_tokens, max_new_tokens: override :attr:`config` for this
+                run (None: the config's value; ``num_draft_tokens=0`` is honoured; greedy when temperature is 0).
         Returns:
             :class:`RunResult`. A decoded call of a lenient tool that still fails validation after ``max_retries``
             retries ends the run with ``RunResult.error`` set (the transcript and earlier results are kept).
         Raises:
-            ValueError: the prompt is None, empty or not a string / message list, or a budget is below 1.
+            ValueError: the prompt is None, empty or not a string / message list, a budget is below 1, or an
+                override is out of range (naming it).
             ToolCallError: a supplied message calls an unknown tool or has invalid arguments.
             SchemaError: ``response_format`` is not a valid, enforceable schema.
         """
-        return self._run(prompt, lambda event: None, tool_choice=tool_choice, response_format=response_format,
+        return self._run(prompt, None, tool_choice=tool_choice, response_format=response_format,
                          max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, max_steps=max_steps,
-                         parallel_tool_calls=parallel_tool_calls, sampling=SamplingParams(temperature, top_p, seed),
+                         parallel_tool_calls=parallel_tool_calls, temperature=temperature, top_p=top_p, seed=seed,
                          drafter=drafter, num_draft_tokens=num_draft_tokens)
 
     def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
@@ -177,9 +193,7 @@ class Agent:
 
         def work():
             try:
-                sampling = SamplingParams(kwargs.pop("temperature", 0.0), kwargs.pop("top_p", 1.0),
-                                          kwargs.pop("seed", None))
-                result = self._run(prompt, q.put, sampling=sampling, **kwargs)
+                result = self._run(prompt, q.put, **kwargs)
                 q.put(Event("done", result=result))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 q.put(e)
@@ -197,43 +211,49 @@ class Agent:
             yield item
         thread.join()
 
-    def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, **kwargs) -> list[RunResult]:
-        """Run many prompts; results in input order. ``max_workers > 1`` runs them on threads (each run has its
-        own KV cache and grammar state; weights are shared read-only)."""
+    def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, backend: str = "thread",
+                  **kwargs) -> list[RunResult]:
+        """Run many prompts; results in input order.
+
+        ``backend="thread"``: ``max_workers > 1`` runs them on threads (each run has its own KV cache and grammar
+        state; weights are shared read-only). ``backend="ray"``: ``max_workers`` Ray actors, each rebuilding this
+        agent from :meth:`spec` (its own engine: the model loaded in the actor, or the same remote server), on the
+        cluster ``ray.init`` connected to (see ``agent.distributed``).
+        """
+        if backend == "ray":
+            from .distributed import ray_run_batch
+
+            return ray_run_batch(self.spec(), prompts, num_actors=max_workers, run_kwargs=kwargs)
+        if backend != "thread":
+            raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
         if max_workers <= 1:
             return [self.run(p, **kwargs) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
             return list(pool.map(lambda p: self.run(p, **kwargs), prompts))
 
     # -- the loop ---------------------------------------------------------------------------------------------------
-    def _run(self, prompt, emit: Callable[[Event], None], *, tool_choice: Any = "auto", response_format: Any = None,
-             max_new_tokens: int = 256, max_total_tokens: int | None = None, max_steps: int | None = None,
-             parallel_tool_calls: bool | None = None, sampling: SamplingParams = SamplingParams(),
-             drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
-        _check_budgets(max_new_tokens, max_total_tokens, max_steps)
+    def _run(self, prompt, emit: Callable[[Event], None] | None, *, tool_choice: Any = "auto",
+             response_format: Any = None, max_total_tokens: int | None = None, max_steps: int | None = None,
+             parallel_tool_calls: bool | None = None, **overrides: Any) -> RunResult:
+        config = self.config.override(**overrides)  # raises ValueError naming a bad override (max_new_tokens < 1)
+        _check_budgets(config.max_new_tokens, max_total_tokens, max_steps)
+        on_text = None if emit is None else (lambda text: emit(Event("token", text=text)))
+        emit = emit or (lambda event: None)
         messages = self._initial_messages(prompt)
         response = None if response_format is None else ResponseFormat(response_format)
         result = RunResult(messages=messages)
         choice = tool_choice
         retries = 0
         for _ in range(self.max_steps if max_steps is None else max_steps):
-            budget = max_new_tokens
+            budget = config.max_new_tokens
             if max_total_tokens is not None:
                 budget = min(budget, max_total_tokens - result.stats.new_tokens)
                 if budget <= 0:
                     result.truncated = True
                     break
-            tools, mode = filter_tools(self.registry, choice)
-            grammar = self.format.turn_grammar(tools, mode, parallel=parallel_tool_calls,
-                                               response_format=response.schema if response else None,
-                                               max_string_length=self.max_string_length,
-                                               max_decimals=self.max_decimals,
-                                               after_results=messages[-1]["role"] == "tool")
-            ids = self.format.render(messages, list(self.registry))
-            out = self.generator.generate(ids, grammar, max_new_tokens=budget, sampling=sampling,
-                                          drafter=drafter or self.drafter,
-                                          num_draft_tokens=num_draft_tokens or self.num_draft_tokens,
-                                          on_text=(lambda text: emit(Event("token", text=text))))
+            out = self.engine.turn(messages, list(self.registry), choice,
+                                   response.schema if response else None, parallel_tool_calls,
+                                   config.override(max_new_tokens=budget), on_text)
             result.stats = result.stats + out.stats
             result.steps += 1
             result.raw_turns.append(out.text)
@@ -241,10 +261,7 @@ class Agent:
             logger.info("turn %d: %d tokens, %.2f tokens/forward, acceptance %.2f, %d forced, stop=%s",
                         result.steps, out.stats.new_tokens, out.stats.tokens_per_forward,
                         out.stats.acceptance_rate, out.stats.forced, out.stop_reason)
-            # "required": the turn is a call, however short; "auto": an answer cannot start with what opens a call
-            # in this format (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
-            is_call = bool(tools) and (mode == "required" or (mode == "auto" and (
-                self.format.is_call(out.text) or out.text[:1] in tuple(self.format.answer_first_char_excluded()))))
+            is_call = out.is_call
             if out.truncated:
                 result.truncated = True
                 if not is_call and response is None:  # a cut text answer is still an answer
@@ -259,9 +276,8 @@ class Agent:
                     result.output = response.validate(json.loads(out.text))
                 emit(Event("final_answer", text=out.text, output=result.output))
                 break
-            calls, _ = self.format.parse(out.text)
             try:
-                validated = [self.registry.parse_call(c) for c in calls]
+                validated = [self.registry.parse_call(c) for c in out.calls]
             except ToolCallError as e:  # possible only for lenient tools: the grammar relaxed some keyword
                 if retries >= self.max_retries:  # keep what the run has, mark why it stopped
                     messages.append({"role": "assistant", "content": out.text})
@@ -362,3 +378,12 @@ def _to_json_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         return str(value)
+
+
+def agent_from_spec(spec: tuple) -> Agent:
+    """The agent an :meth:`Agent.spec` describes (its engine rebuilt, its tools registered again)."""
+    engine_spec, tool_sources, settings, config = spec
+    agent = Agent(build_engine(engine_spec), config=config, **settings)
+    for tool, strict in tool_sources:
+        agent.register(tool, strict=strict)
+    return agent

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Iterable
 
 from constraints import lark_grammar, lark_json, schema_compiles
-from schemas import Tool, ToolCallError, ToolRegistry, call_schema, narrow_for_grammar
+from schemas import Tool, ToolCallError, call_schema, narrow_for_grammar
 
 # The system prompt shows the layout with placeholders only: a worked example's values (a city, a date) were copied
 # into answers (4 of 200 never-seen BFCL questions on SmolLM2-135M).
@@ -220,16 +220,26 @@ def parse_turn(text: str) -> tuple[list[dict] | None, str]:
     return None, text
 
 
-def filter_tools(registry: ToolRegistry, tool_choice: Any) -> tuple[list[Tool], str]:
-    """Apply ``tool_choice`` -> (allowed tools, mode ``auto``/``required``/``none``).
+def filter_tools(tools: Iterable[Tool], tool_choice: Any) -> tuple[list[Tool], str]:
+    """Apply ``tool_choice`` to ``tools`` (a list or a :class:`ToolRegistry`) -> (allowed tools, mode
+    ``auto``/``required``/``none``).
 
     ``{"name": X}`` or OpenAI's ``{"type": "function", "function": {"name": X}}`` forces a call of X.
+
+    Raises:
+        ToolCallError: the named tool is not among ``tools``.
+        ValueError: ``tool_choice`` is none of the above.
     """
+    tools = list(tools)
     if tool_choice in ("auto", "required", "none"):
-        return list(registry), tool_choice
+        return tools, tool_choice
     if isinstance(tool_choice, dict):
         name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name")
         if name is None:
             raise ValueError(f"tool_choice dict must name a tool: {tool_choice!r}")
-        return [registry.get(name)], "required"
+        named = [t for t in tools if t.name == name]
+        if not named:
+            raise ToolCallError(f"unknown tool {name!r} in tool_choice; tools: {sorted(t.name for t in tools)}",
+                                tool=name)
+        return named, "required"
     raise ValueError(f"tool_choice must be 'auto', 'required', 'none' or {{'name': ...}}, got {tool_choice!r}")

@@ -25,12 +25,12 @@ from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM
 from .mtp import load_head
 from . import registry
-from .registry import DEFAULT_DRAFTER, DRAFTERS, check_drafter
+from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, check_drafter
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-__all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DRAFTERS", "Generator"]
+__all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
 
 
 class ContextLengthError(SpecAgentError, ValueError):
@@ -50,7 +50,7 @@ class Generator:
     """
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
-                 num_draft_tokens: int = 4, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
+                 num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
                  device: str = "cpu", dtype: str = "float32"):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer

@@ -31,6 +31,7 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "lookup_mtp": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(gen.mtp_head())]),
 }
 DEFAULT_DRAFTER = "lookup"
+DEFAULT_NUM_DRAFT_TOKENS = 4  # γ, drafter tokens per speculative window
 
 
 def check_drafter(name: str) -> None:

@@ -1,0 +1,192 @@
+"""The Engine seam: one assistant turn, decoded locally (:class:`LocalEngine`) or by a server (``agent.remote``).
+
+The agent loop (``agent/agent.py``) owns the conversation: it validates every call against the registered schemas,
+runs tools and appends messages. An engine owns one turn: given the OpenAI-style messages, the tools, the
+``tool_choice``, an optional response schema and an :class:`EngineConfig`, it returns a :class:`DecodedTurn`
+(the text, the parsed calls, why it stopped, the decode statistics).
+
+:class:`LocalEngine` is the only place that renders the chat with the model's tool format, builds the turn
+grammar, runs :class:`decoding.Generator` and parses the output. Its guarantees are the project's: every call
+and structured output the grammar admits validates; greedy output is token-identical for every drafter.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DecodeStats, Generator, LoadedModel,
+                      SamplingParams, check_drafter)
+from schemas import Tool
+
+from .format import CALL_OPEN, filter_tools, parse_turn, render_prompt, turn_grammar
+
+STOP_REASONS = ("eos", "grammar", "length", "stop")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to decode a turn: the one place these settings and their defaults live.
+
+    Attributes:
+        drafter: drafting mode, a row of ``decoding.DRAFTERS`` (default ``lookup``).
+        num_draft_tokens: γ, drafter tokens per speculative window (>= 0; 0 drafts schema-forced tokens only).
+        adaptive: adapt γ online from the acceptance rate.
+        max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded (None: no cap).
+        max_decimals: grammar bound on numbers: decimals, no exponent, ``|x| <= 1e15`` (None: unbounded).
+        temperature, top_p, seed: sampling (greedy when ``temperature`` is 0).
+        max_new_tokens: output budget of one turn (tokens).
+    Raises (constructor):
+        ValueError: a field is out of range, naming it.
+    """
+
+    drafter: str = DEFAULT_DRAFTER
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    adaptive: bool = False
+    max_string_length: int | None = None
+    max_decimals: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        check_drafter(self.drafter)
+        _check_int("num_draft_tokens", self.num_draft_tokens, 0)
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.max_string_length is not None:
+            _check_int("max_string_length", self.max_string_length, 1)
+        if self.max_decimals is not None:
+            _check_int("max_decimals", self.max_decimals, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, None)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.seed)
+
+    def override(self, **changes: Any) -> "EngineConfig":
+        """A copy with the given fields changed; a value of None means "keep this config's value"."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _check_int(name: str, value: Any, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise ValueError(f"{name} must be an integer{'' if minimum is None else f' >= {minimum}'}, got {value!r}")
+
+
+@dataclass
+class DecodedTurn:
+    """One assistant turn as an engine produced it (calls parsed, not yet validated against the schemas).
+
+    Attributes:
+        text: the turn's text exactly as decoded (local: the tool-call text too; remote: the message content).
+        calls: ``[{"name", "arguments", "id"?}]`` when the turn is a complete tool-call turn, else None.
+            ``arguments`` is a dict, or a JSON string as a server sent it.
+        is_call: the turn opened a tool call (also when it was cut: ``calls`` is then None).
+        stop_reason: ``eos`` (the model ended), ``grammar`` (nothing else allowed), ``length`` (budget reached),
+            ``stop`` (a stop sequence).
+        stats: decode statistics (a remote engine fills what the server reports).
+    """
+
+    text: str
+    calls: list[dict] | None
+    is_call: bool
+    stop_reason: str
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def truncated(self) -> bool:
+        """The budget cut the turn: a cut call or structured output is never returned."""
+        return self.stop_reason == "length"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Decodes one assistant turn. Implemented by :class:`LocalEngine` and ``agent.remote.OpenAIEngine``."""
+
+    def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
+             response_format: dict | None = None, parallel_tool_calls: bool = True,
+             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
+        """Decode the assistant turn that follows ``messages``.
+
+        Args:
+            messages: OpenAI-style messages (assistant ``tool_calls``, ``tool`` results).
+            tools: every tool the model may see; ``tool_choice`` selects the callable ones.
+            tool_choice: ``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}`` or OpenAI's named form.
+            response_format: JSON Schema of a structured answer, or None for free text.
+            parallel_tool_calls: allow several calls in the turn.
+            config: drafter, γ, caps, sampling and budget.
+            on_text: called with each new piece of text as it is decoded (streaming).
+        """
+        ...
+
+    def spec(self) -> tuple:
+        """``(factory, args, kwargs)`` that rebuild an equivalent engine in another process (for Ray)."""
+        ...
+
+
+class LocalEngine:
+    """The in-process engine: the model's tool format + the turn grammar + :class:`decoding.Generator`.
+
+    Args:
+        model: a :class:`Generator`, a :class:`LoadedModel` or a spec for ``decoding.load_model``.
+        draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
+            only with a spec).
+    Raises:
+        ValueError: load-time arguments given with a model that is already loaded (they would be ignored).
+    """
+
+    call_prefix = CALL_OPEN  # text that opens a tool call in this engine's format
+
+    def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
+                 device: str | None = None, dtype: str | None = None):
+        ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype)) if v is not None
+                   and (isinstance(model, Generator) or (isinstance(model, LoadedModel) and n != "draft_model"))]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} would be ignored: the model is already loaded "
+                             f"({type(model).__name__}); pass them where it is loaded")
+        if isinstance(model, Generator):
+            self.generator = model
+        else:
+            self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
+                                       dtype=dtype or "float32")
+        self._spec = (model if isinstance(model, str) else self.generator.loaded, draft_model, device, dtype)
+
+    @property
+    def tokenizer(self):
+        return self.generator.tokenizer
+
+    @property
+    def name(self) -> str:
+        return self.generator.loaded.name
+
+    def spec(self) -> tuple:
+        model, draft_model, device, dtype = self._spec
+        return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype}
+
+    def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
+             response_format: dict | None = None, parallel_tool_calls: bool = True,
+             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
+        """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool."""
+        allowed, mode = filter_tools(tools, tool_choice)
+        grammar = turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=response_format,
+                               max_string_length=config.max_string_length, max_decimals=config.max_decimals)
+        ids = render_prompt(self.tokenizer, messages, list(tools))
+        out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
+                                      drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
+                                      adaptive=config.adaptive, on_text=on_text)
+        is_call = mode != "none" and out.text.lstrip().startswith(CALL_OPEN)
+        calls = parse_turn(out.text)[0] if is_call and not out.truncated else None
+        return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats)
+
+
+def build_engine(spec: tuple) -> Engine:
+    """The engine an :meth:`Engine.spec` describes."""
+    factory, args, kwargs = spec
+    return factory(*args, **kwargs)

@@ -1,0 +1,335 @@
+"""OpenAI Chat Completions wire format: request checking, responses, stream chunks (used by ``agent/server.py``).
+
+A request is checked field by field before anything is decoded; every problem raises :class:`RequestError` naming
+the field (``tools[0].function.parameters``, ``messages[2].tool_calls[0]``, ``response_format.json_schema.schema``)
+so the server answers HTTP 400 with a message a client can act on. Our own knobs are extra fields under their own
+names: ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals``.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import ResponseFormat, SchemaError, ToolCall, ToolCallError, ToolError, ToolRegistry, as_tool
+
+from .engine import DecodedTurn, EngineConfig
+
+STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+                   "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
+                   "stream_options", "n", "user")
+EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "max_string_length", "max_decimals")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of at most this many characters
+
+
+class RequestError(ValueError):
+    """A request the server cannot serve as asked: HTTP ``status`` with ``message`` naming ``param``."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400):
+        self.param = param
+        self.status = status
+        super().__init__(f"{param}: {message}" if param else message)
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked ``POST /v1/chat/completions`` body.
+
+    Attributes:
+        messages: normalised messages (``role``, ``content`` text, ``tool_calls``, ``tool_call_id``).
+        registry: the request's tools (strict unless a function says ``"strict": false``).
+        tool_choice: ``auto`` / ``required`` / ``none`` / ``{"name": ...}``.
+        response: the structured-answer schema, or None.
+        config: the server's :class:`EngineConfig` with this request's sampling, budget and knobs.
+        stop: stop sequences (text answers only; the answer is cut before the first one).
+    """
+
+    model: str
+    messages: list[dict]
+    registry: ToolRegistry
+    tool_choice: Any
+    parallel_tool_calls: bool
+    response: ResponseFormat | None
+    config: EngineConfig
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ...]) -> ChatRequest:
+    """Check an OpenAI chat-completions request body. Raises :class:`RequestError` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError(None, "the request body must be a JSON object")
+    for key in body:
+        if key not in STANDARD_FIELDS and key not in EXTRA_FIELDS:
+            raise RequestError(key, f"unsupported parameter {key!r}")
+    model = body.get("model")
+    if model not in model_names:
+        raise RequestError("model", f"model {model!r} is not served here; served: {list(model_names)}")
+    if body.get("n", 1) != 1:
+        raise RequestError("n", "only n=1 is supported")
+    registry = _tools(body.get("tools"))
+    tool_choice = _tool_choice(body.get("tool_choice", "auto" if len(registry) else "none"), registry)
+    response = _response_format(body.get("response_format"))
+    config = _config(body, base)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
+    stream = body.get("stream", False) or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise RequestError("stream" if not isinstance(stream, bool) else "stream_options", "has the wrong type")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls", "must be a boolean")
+    return ChatRequest(model, _messages(body.get("messages"), registry), registry, tool_choice, parallel, response,
+                       config, stop, stream, bool(options.get("include_usage")))
+
+
+def _tools(tools: Any) -> ToolRegistry:
+    registry = ToolRegistry()
+    if tools is None:
+        return registry
+    if not isinstance(tools, list):
+        raise RequestError("tools", "must be a list of {'type': 'function', 'function': {...}}")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise RequestError(f"tools[{i}]", "must be {'type': 'function', 'function': {'name', 'parameters'}}")
+        try:
+            registry.register(as_tool(t, strict=t["function"].get("strict") is not False))
+        except SchemaError as e:
+            where = f"tools[{i}].function.parameters" + (f" at {e.pointer}" if e.pointer else "")
+            raise RequestError(where, str(e)) from None
+        except (ToolError, ValueError) as e:
+            raise RequestError(f"tools[{i}].function", str(e)) from None
+    return registry
+
+
+def _tool_choice(choice: Any, registry: ToolRegistry) -> Any:
+    if choice in ("auto", "none"):
+        return choice
+    if not len(registry):
+        raise RequestError("tool_choice", f"{choice!r} needs tools")
+    if choice == "required":
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name is None:
+        raise RequestError("tool_choice", "must be 'auto', 'required', 'none' or "
+                                          "{'type': 'function', 'function': {'name': ...}}")
+    if name not in registry:
+        raise RequestError("tool_choice", f"names unknown tool {name!r}; tools: {registry.names}")
+    return {"name": name}
+
+
+def _response_format(spec: Any) -> ResponseFormat | None:
+    if spec is None:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat({"type": "object"})
+    if kind != "json_schema":
+        raise RequestError("response_format.type", "must be 'text', 'json_object' or 'json_schema'")
+    js = spec.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise RequestError("response_format.json_schema.schema", "a JSON Schema object is required")
+    try:
+        return ResponseFormat(js["schema"])
+    except SchemaError as e:
+        raise RequestError("response_format.json_schema.schema" + (f" at {e.pointer}" if e.pointer else ""),
+                           str(e)) from None
+
+
+def _config(body: dict, base: EngineConfig) -> EngineConfig:
+    budgets = {k: body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None}
+    if len(set(map(repr, budgets.values()))) > 1:
+        raise RequestError("max_completion_tokens", "differs from max_tokens: give one")
+    changes = {k: (k, body.get(k)) for k in ("temperature", "top_p", "seed") + EXTRA_FIELDS}
+    for k, v in budgets.items():
+        changes["max_new_tokens"] = (k, v)
+    config = base
+    for name, (param, value) in changes.items():
+        try:
+            config = config.override(**{name: value})
+        except (ValueError, TypeError) as e:
+            raise RequestError(param, str(e).replace(name, param, 1)) from None
+    return config
+
+
+def _text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise RequestError(f"{where}[{j}]", "only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise RequestError(where, "must be a string or a list of text parts")
+
+
+def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        msg = {"role": "system" if m["role"] == "developer" else m["role"],
+               "content": _text(m.get("content"), f"messages[{i}].content")}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = []
+            for j, tc in enumerate(m["tool_calls"]):
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                try:
+                    call = registry.parse_call({"name": (fn or {}).get("name"), "arguments": (fn or {}).get(
+                        "arguments"), "id": tc.get("id") if isinstance(tc, dict) else None})
+                except ToolCallError as e:
+                    raise RequestError(f"messages[{i}].tool_calls[{j}]", str(e)) from None
+                msg["tool_calls"].append(call.to_openai())
+        elif msg["content"] is None:
+            raise RequestError(f"messages[{i}].content", "is required")
+        if m["role"] == "tool":
+            msg["tool_call_id"] = m.get("tool_call_id")
+        out.append(msg)
+    return out
+
+
+# -- responses ----------------------------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """The assistant message of one decoded turn, validated: ``content`` and/or ``tool_calls``."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    finish_reason: str
+
+
+def make_choice(req: ChatRequest, turn: DecodedTurn) -> Choice:
+    """The validated answer for ``turn``: a cut call or structured output is never returned (``content`` None).
+
+    Raises:
+        ToolCallError: a decoded call or structured output fails validation (possible only where a schema was
+            relaxed: ``"strict": false`` tools); the server answers 500.
+    """
+    if turn.is_call:
+        if turn.truncated:
+            return Choice(None, [], "length")
+        return Choice(None, [req.registry.parse_call(c) for c in turn.calls], "tool_calls")
+    if req.response is not None:
+        if turn.truncated:
+            return Choice(None, [], "length")
+        req.response.validate(json.loads(turn.text))
+        return Choice(turn.text, [], "stop")
+    text, hit = cut_at_stop(turn.text, req.stop)
+    return Choice(text, [], "stop" if hit or not turn.truncated else "length")
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop sequence (excluded), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[:min(cuts)], True) if cuts else (text, False)
+
+
+def usage(turn: DecodedTurn, config: EngineConfig) -> dict:
+    """OpenAI ``usage`` plus ``speculative``: target forwards, tokens per forward, drafted/accepted/forced tokens."""
+    s = turn.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+            "total_tokens": s.prompt_tokens + s.new_tokens,
+            "speculative": {"drafter": config.drafter, "num_draft_tokens": config.num_draft_tokens,
+                            "target_forwards": s.target_forwards, "tokens_per_forward": s.tokens_per_forward,
+                            "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+                            "acceptance_rate": s.acceptance_rate, "forced_tokens": s.forced}}
+
+
+def completion(req: ChatRequest, choice: Choice, turn: DecodedTurn) -> dict:
+    """The ``chat.completion`` object."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content, "refusal": None}
+    if choice.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in choice.tool_calls]
+    return {"id": new_id(), "object": "chat.completion", "created": int(time.time()), "model": req.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.finish_reason}],
+            "usage": usage(turn, req.config)}
+
+
+def new_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def chunk(completion_id: str, req: ChatRequest, delta: dict | None, finish_reason: str | None = None,
+          usage_: dict | None = None) -> dict:
+    """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only chunk (``choices: []``)."""
+    out = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model,
+           "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish_reason}]}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """Stream deltas of validated calls: per call, ``index``, ``id``, ``type`` and ``name`` once, then argument
+    fragments whose concatenation is exactly the non-streamed ``arguments`` string."""
+    deltas = []
+    for i, c in enumerate(calls):
+        wire = c.to_openai()
+        deltas.append({"tool_calls": [{"index": i, "id": wire["id"], "type": "function",
+                                       "function": {"name": c.name, "arguments": ""}}]})
+        args = wire["function"]["arguments"]
+        for k in range(0, len(args), ARGUMENT_FRAGMENT_CHARS):
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": args[k:k + ARGUMENT_FRAGMENT_CHARS]}}]})
+    return deltas
+
+
+class TextStream:
+    """Decides what decoded text may be streamed as ``content`` before the turn ends.
+
+    Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
+    never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until it
+    can no longer open a call (``call_prefix``); the last ``len(longest stop) - 1`` characters are held back so a
+    stop sequence is never sent. What was sent is always a prefix of the final ``content``.
+    """
+
+    def __init__(self, req: ChatRequest, call_prefix: str):
+        mode = req.tool_choice if isinstance(req.tool_choice, str) else "required"
+        self.live = req.response is None and mode != "required"
+        self.may_call = mode == "auto"
+        self.call_prefix = call_prefix
+        self.hold = max((len(s) for s in req.stop), default=1) - 1
+        self.stop = req.stop
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> str:
+        """The part of the text so far that can go out now ("" if none)."""
+        self.text += delta
+        if not self.live:
+            return ""
+        if self.may_call:
+            s = self.text.lstrip()
+            if not s or s.startswith(self.call_prefix) or self.call_prefix.startswith(s):
+                return ""
+            self.may_call = False
+        text, hit = cut_at_stop(self.text, self.stop)
+        end = len(text) if hit else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = text[self.sent:end], max(self.sent, end)
+        if hit:
+            self.live = False
+        return piece
+
+    def finish(self, content: str | None) -> str:
+        """The rest of the final ``content`` after what was sent."""
+        content = content or ""
+        assert content[:self.sent] == self.text[:self.sent], "streamed text is not a prefix of the content"
+        return content[self.sent:]
