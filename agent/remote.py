@@ -106,7 +106,9 @@ class OpenAIEngine:
             content, calls, finish, usage = self._stream(body, extra, on_text)
         stats = _stats(usage, time.perf_counter() - t0)
         stop_reason = _STOP_REASONS.get(finish or "stop", "eos")
-        is_call = bool(calls) or (finish == "tool_calls")
+        # a cut call: sent partly (vLLM) or not at all (this project's server: no text either)
+        is_call = bool(calls) or finish == "tool_calls" or (
+            stop_reason == "length" and not content and bool(tools) and tool_choice != "none")
         complete = is_call and stop_reason != "length"
         if stop_reason != "length":
             _check_tool_choice(tool_choice, calls if is_call else None)

@@ -1,0 +1,59 @@
+"""agent/distributed.py: ``run_batch(backend="ray")`` on a local Ray (2 CPUs, 127.0.0.1, no dashboard, no usage
+stats) gives the serial results, in input order, for a local engine and for a remote one."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agent import Agent
+from agent.demo_tools import TOOLS
+from agent.engine import EngineConfig, LocalEngine
+from agent.remote import OpenAIEngine
+from agent.server import ServerThread, create_app
+from decoding import Generator
+
+# before Ray starts: no usage stats; the node on 127.0.0.1 (Ray otherwise takes the host's address for a node);
+# generous start-up timeouts for a busy 2-core machine
+for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                   "RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"}.items():
+    os.environ.setdefault(key, value)
+ray = pytest.importorskip("ray")  # an optional extra: `make setup` installs it, so the test runs in CI
+
+CONFIG = EngineConfig(max_string_length=8, max_decimals=2, max_new_tokens=48)
+PROMPTS = ["Weather in Oslo?", "What is 2 + 40?", "Convert 3 km to m."]
+RUN = dict(tool_choice="required", max_steps=2, parallel_tool_calls=False)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+    yield
+    ray.shutdown()
+
+
+def summary(res):
+    return ([(r.call.name, r.call.arguments, r.result, r.error) for r in res.tool_calls], res.final_answer,
+            res.truncated, res.raw_turns if res.steps else None)
+
+
+def test_ray_batch_needs_an_initialised_ray(tiny_target):
+    if ray.is_initialized():
+        pytest.skip("Ray already initialised by another test")
+    with pytest.raises(RuntimeError, match="ray.init"):
+        Agent(LocalEngine(Generator(tiny_target)), TOOLS, config=CONFIG).run_batch(["x"], backend="ray")
+
+
+def test_ray_batch_equals_the_serial_results_local_and_remote_engines(tiny_target, local_ray):
+    engine = LocalEngine(Generator(tiny_target))
+    agent = Agent(engine, TOOLS, config=CONFIG)
+    serial = [summary(agent.run(p, **RUN)) for p in PROMPTS]
+    assert any(s[0] for s in serial)  # some prompt ran a tool
+    batched = agent.run_batch(PROMPTS, backend="ray", max_workers=2, **RUN)
+    assert [summary(r) for r in batched] == serial
+    with ServerThread(create_app(engine, model_name="tiny")) as url:  # actors reach it over 127.0.0.1
+        remote = Agent(OpenAIEngine(url, "tiny", send_engine_config=True), TOOLS, config=CONFIG)
+        results = remote.run_batch(PROMPTS, backend="ray", max_workers=2, **RUN)
+    assert [summary(r)[:3] for r in results] == [s[:3] for s in serial]

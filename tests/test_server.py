@@ -1,0 +1,255 @@
+"""agent/server.py: the OpenAI-compatible server, driven by the real ``openai`` client over 127.0.0.1.
+
+The server runs in a thread (uvicorn, ephemeral port) over a LocalEngine on the tiny random model: its text is
+noise, but every call and structured output is decoded under the grammar, so validity is what is checked.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import urllib.request
+
+import jsonschema
+import openai
+import pytest
+
+from agent.engine import EngineConfig, LocalEngine
+from agent.server import ServerThread, create_app
+from decoding import Generator
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look up a code.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TOOLS = [LOOKUP, WEATHER]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CONFIG = EngineConfig(max_string_length=8, max_decimals=2, max_new_tokens=48)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    return LocalEngine(Generator(tiny_target))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(create_app(engine, model_name="tiny", config=CONFIG)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=120)
+
+
+def assemble(stream) -> dict:
+    """Rebuild a message from stream chunks, checking the chunk shape on the way."""
+    content, calls, finish, usage, ids = [], {}, None, None, set()
+    for ch in stream:
+        assert ch.object == "chat.completion.chunk"
+        ids.add(ch.id)
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            d = choice.delta
+            content.append(d.content or "")
+            for tc in d.tool_calls or []:
+                if tc.index not in calls:  # the first delta of a call carries id, type and name, once
+                    assert tc.id and tc.type == "function" and tc.function.name
+                    calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                else:
+                    assert tc.id is None and tc.type is None and tc.function.name is None
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert len(ids) == 1
+    return {"content": "".join(content), "calls": [calls[i] for i in sorted(calls)], "finish": finish,
+            "usage": usage}
+
+
+def plain(resp) -> dict:
+    choice = resp.choices[0]
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or []]
+    return {"content": choice.message.content or "", "calls": calls, "finish": choice.finish_reason}
+
+
+def test_required_tool_choice_returns_a_schema_valid_call_and_speculative_usage(client):
+    resp = client.chat.completions.create(model="tiny", messages=user("look up abc"), tools=TOOLS,
+                                          tool_choice="required")
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    spec = resp.usage.model_extra["speculative"]
+    assert resp.usage.completion_tokens > 0 and resp.usage.total_tokens == resp.usage.prompt_tokens + \
+        resp.usage.completion_tokens
+    assert spec["drafter"] == "lookup" and spec["tokens_per_forward"] > 1 and spec["forced_tokens"] > 0
+
+
+def test_streamed_tool_call_assembles_into_exactly_the_non_streamed_call(client):
+    kwargs = dict(model="tiny", messages=user("weather in Oslo"), tools=TOOLS, tool_choice="required", max_tokens=96)
+    full = plain(client.chat.completions.create(**kwargs))
+    streamed = assemble(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    strip = lambda calls: [(c["name"], c["arguments"]) for c in calls]  # noqa: E731 - ids are per response
+    assert strip(streamed["calls"]) == strip(full["calls"]) and full["calls"]
+    assert streamed["finish"] == full["finish"] == "tool_calls" and streamed["content"] == ""
+    assert streamed["usage"].completion_tokens > 0
+
+
+def test_named_tool_choice_calls_that_tool(client):
+    resp = client.chat.completions.create(model="tiny", messages=user("anything"), tools=TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [c.function.name for c in resp.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    resp = client.chat.completions.create(model="tiny", messages=user("look up a, b and c"), tools=TOOLS,
+                                          tool_choice="required", parallel_tool_calls=False)
+    assert len(resp.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "f", "strict": True, "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 99}},
+        "required": ["ok", "n"], "additionalProperties": False}}},
+    {"type": "json_object"}])
+def test_response_format_gives_a_valid_object(client, fmt):
+    resp = client.chat.completions.create(model="tiny", messages=user("fill it in"), response_format=fmt,
+                                          max_tokens=40)
+    choice = resp.choices[0]
+    if fmt["type"] == "json_object" and choice.finish_reason == "length":  # an open object may run on (noise model)
+        assert choice.message.content is None  # a cut structured output is never returned
+        return
+    assert choice.finish_reason == "stop"
+    value = json.loads(choice.message.content)
+    jsonschema.validate(value, fmt.get("json_schema", {}).get("schema", {"type": "object"}))
+
+
+def test_a_cut_tool_call_is_never_returned(client):
+    resp = client.chat.completions.create(model="tiny", messages=user("x"), tools=TOOLS, tool_choice="required",
+                                          max_tokens=5)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and choice.message.content is None
+
+
+def test_text_answer_streams_live_and_stops_before_a_stop_sequence(client):
+    kwargs = dict(model="tiny", messages=user("say something"), tools=TOOLS, tool_choice="none", max_tokens=24)
+    text = plain(client.chat.completions.create(**kwargs))["content"]
+    stop = text[6:9]
+    cut = plain(client.chat.completions.create(**kwargs, stop=[stop]))
+    assert cut["content"] == text[:text.find(stop)] and cut["finish"] == "stop"
+    streamed = assemble(client.chat.completions.create(**kwargs, stop=stop, stream=True))
+    assert streamed["content"] == cut["content"] and streamed["finish"] == "stop"
+
+
+def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(client):
+    kwargs = dict(model="tiny", messages=user("look up abc"), tools=TOOLS, tool_choice="required")
+    base = client.chat.completions.create(**kwargs)
+    ref = client.chat.completions.create(**kwargs, extra_body={"drafter": "none", "num_draft_tokens": 0})
+    assert ref.usage.model_extra["speculative"]["drafter"] == "none"
+    assert ref.usage.model_extra["speculative"]["tokens_per_forward"] == 1.0
+    assert [c.function.arguments for c in ref.choices[0].message.tool_calls] == \
+        [c.function.arguments for c in base.choices[0].message.tool_calls]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(extra_body={"frequency_penalty_typo": 1}), "frequency_penalty_typo"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(temperature=5.0), "temperature"),
+    (dict(extra_body={"drafter": "magic"}), "drafter"),
+    (dict(extra_body={"num_draft_tokens": -1}), "num_draft_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]),
+     "tools[0].function.parameters at /properties/x/not"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "nope"}}}),
+     "response_format.json_schema.schema"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "lookup", "arguments": '{"code": 3}'}}]}], tools=TOOLS), "messages[0].tool_calls[0]"),
+    (dict(model="gpt-4o"), "model"),
+])
+def test_bad_requests_get_400_naming_the_field(client, kwargs, field):
+    args = dict(model="tiny", messages=user("hi"), max_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**args)
+    assert err.value.status_code == 400 and err.value.body["param"].startswith(field.split(" at ")[0])
+    assert field in err.value.body["message"]
+
+
+def test_health_and_models_answer(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as r:
+        assert json.load(r)["status"] == "ok"
+
+
+class GatedEngine:
+    """A LocalEngine whose turns wait for a gate (to fill the queue) and fail on demand (a generation error)."""
+
+    def __init__(self, engine: LocalEngine):
+        self.engine, self.call_prefix, self.name = engine, engine.call_prefix, "gated"
+        self.gate = threading.Event()
+        self.fail = False
+
+    def turn(self, *args, **kwargs):
+        assert self.gate.wait(60)
+        if self.fail:
+            raise RuntimeError("the accelerator caught fire")
+        return self.engine.turn(*args, **kwargs)
+
+
+def test_a_generation_error_is_500_and_the_server_keeps_serving(engine):
+    gated = GatedEngine(engine)
+    gated.gate.set()
+    with ServerThread(create_app(gated, config=CONFIG)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        gated.fail = True
+        with pytest.raises(openai.InternalServerError, match="the accelerator caught fire"):
+            client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
+        gated.fail = False
+        resp = client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
+        assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_requests_beyond_the_waiting_bound_get_429_and_the_rest_are_served(engine):
+    gated = GatedEngine(engine)
+    with ServerThread(create_app(gated, config=CONFIG, max_waiting=2)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        send = lambda _: client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=3)  # noqa
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            admitted = [pool.submit(send, i) for i in range(3)]  # 1 decoding + 2 waiting
+            while json.load(urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10))[
+                    "in_flight"] < 3:
+                pass
+            with pytest.raises(openai.RateLimitError):
+                send(3)
+            gated.gate.set()
+            assert all(f.result().choices[0].finish_reason == "length" for f in admitted)
+
+
+def test_32_concurrent_streaming_clients_each_get_their_serial_answer(client):
+    """Bounded load test: 32 streams at once against one model; none lost, every one valid and equal to the
+    answer the same request gets alone (greedy)."""
+    prompts = [f"look up code {i}" for i in range(32)]
+    kwargs = dict(model="tiny", tools=TOOLS, tool_choice="required", max_tokens=32)
+    strip = lambda m: (m["finish"], m["content"], [(c["name"], c["arguments"]) for c in m["calls"]])  # noqa: E731
+    serial = [strip(plain(client.chat.completions.create(messages=user(p), **kwargs))) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        streamed = list(pool.map(lambda p: strip(assemble(client.chat.completions.create(
+            messages=user(p), stream=True, **kwargs))), prompts))
+    assert streamed == serial
+    for finish, _, calls in streamed:
+        assert finish == "tool_calls" or (finish == "length" and not calls)
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
