@@ -167,6 +167,9 @@ class LocalEngine:
         return self.generator.loaded.name
 
     def spec(self) -> tuple:
+        """``(LocalEngine, (model,), kwargs)``: a spec string is reloaded where the engine is rebuilt, a loaded model
+        travels pickled. An engine built from a ready :class:`Generator` is rebuilt from its loaded model with
+        default Generator settings (its draft model does not travel)."""
         model, draft_model, device, dtype = self._spec
         return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype}
 
