@@ -117,22 +117,29 @@ class OpenAIEngine:
     def _stream(self, body: dict, extra: dict, on_text: Callable[[str], None]):
         stream = self.client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True},
                                                      extra_body=extra or None)
-        content, calls, finish, usage = [], {}, None, None
-        for ch in stream:
-            usage = ch.usage or usage
-            for choice in ch.choices:
-                delta = choice.delta
-                if delta.content:
-                    content.append(delta.content)
+        return collect_stream(stream, on_text)
+
+
+def collect_stream(stream, on_text: Callable[[str], None] | None = None) -> tuple[str, list[dict], str | None, Any]:
+    """Assemble an ``openai`` chat-completion chunk stream: (content, calls ``[{"id", "name", "arguments"}]`` in
+    index order, finish_reason, usage or None). ``on_text`` gets each content delta as it arrives."""
+    content, calls, finish, usage = [], {}, None, None
+    for ch in stream:
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            delta = choice.delta
+            if delta.content:
+                content.append(delta.content)
+                if on_text is not None:
                     on_text(delta.content)
-                for tc in delta.tool_calls or []:
-                    call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                    call["id"] = tc.id or call["id"]
-                    if tc.function is not None:
-                        call["name"] += tc.function.name or ""
-                        call["arguments"] += tc.function.arguments or ""
-                finish = choice.finish_reason or finish
-        return "".join(content), [calls[i] for i in sorted(calls)], finish, usage
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return "".join(content), [calls[i] for i in sorted(calls)], finish, usage
 
 
 def _wire_message(m: dict) -> dict:
