@@ -19,7 +19,7 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
                       SamplingParams, check_drafter)
 from schemas import Tool
 
-from .format import CALL_OPEN, filter_tools, parse_turn, render_prompt, turn_grammar
+from .format import filter_tools, parse_turn, render_prompt, turn_grammar
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 
@@ -142,7 +142,7 @@ class LocalEngine:
         ValueError: load-time arguments given with a model that is already loaded (they would be ignored).
     """
 
-    call_prefix = CALL_OPEN  # text that opens a tool call in this engine's format
+    call_start_chars = "<"  # first characters that open a tool call (a text answer may not start with them)
 
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
                  device: str | None = None, dtype: str | None = None):
@@ -184,7 +184,9 @@ class LocalEngine:
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, on_text=on_text)
-        is_call = mode != "none" and out.text.lstrip().startswith(CALL_OPEN)
+        # "required": a call however short; "auto": an answer cannot start with "<" (the grammar's text rule)
+        is_call = bool(allowed) and (mode == "required" or (
+            mode == "auto" and out.text.startswith(tuple(self.call_start_chars))))
         calls = parse_turn(out.text)[0] if is_call and not out.truncated else None
         return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats)
 

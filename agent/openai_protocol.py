@@ -296,16 +296,16 @@ class TextStream:
     """Decides what decoded text may be streamed as ``content`` before the turn ends.
 
     Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
-    never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until it
-    can no longer open a call (``call_prefix``); the last ``len(longest stop) - 1`` characters are held back so a
+    never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until its
+    first character shows whether it opens a call (``call_start_chars``); the last ``len(longest stop) - 1`` characters are held back so a
     stop sequence is never sent. What was sent is always a prefix of the final ``content``.
     """
 
-    def __init__(self, req: ChatRequest, call_prefix: str):
+    def __init__(self, req: ChatRequest, call_start_chars: str):
         mode = req.tool_choice if isinstance(req.tool_choice, str) else "required"
         self.live = req.response is None and mode != "required"
         self.may_call = mode == "auto"
-        self.call_prefix = call_prefix
+        self.call_start_chars = call_start_chars
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.stop = req.stop
         self.text = ""
@@ -318,7 +318,10 @@ class TextStream:
             return ""
         if self.may_call:
             s = self.text.lstrip()
-            if not s or s.startswith(self.call_prefix) or self.call_prefix.startswith(s):
+            if not s:
+                return ""
+            if s[0] in self.call_start_chars:
+                self.live = False  # a call: sent once validated
                 return ""
             self.may_call = False
         text, hit = cut_at_stop(self.text, self.stop)

@@ -32,7 +32,7 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     """A FastAPI app serving ``engine``.
 
     Args:
-        engine: the engine every request decodes with (any :class:`~agent.engine.Engine` with a ``call_prefix``).
+        engine: the engine every request decodes with (any :class:`~agent.engine.Engine` with ``call_start_chars``).
         model_name: the id clients pass as ``model`` (default: the engine's model name); ``"default"`` also works.
         config: the defaults a request's fields override (drafter, γ, caps, sampling, ``max_new_tokens``).
         max_waiting: requests that may wait beyond the ``concurrency`` being decoded; more get HTTP 429.
@@ -82,7 +82,7 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
             return error(RequestError(None, f"{app.state.in_flight} requests in flight (limit "
                                             f"{concurrency + max_waiting}); retry later", status=429))
         if req.stream:
-            return StreamingResponse(_sse(req, submit, engine.call_prefix), media_type="text/event-stream")
+            return StreamingResponse(_sse(req, submit, engine.call_start_chars), media_type="text/event-stream")
         try:
             turn = await submit(req)
             return completion(req, make_choice(req, turn), turn)
@@ -93,14 +93,14 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     return app
 
 
-async def _sse(req: ChatRequest, submit, call_prefix: str):
+async def _sse(req: ChatRequest, submit, call_start_chars: str):
     """Server-sent events of one streamed completion, ending with ``data: [DONE]``."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     future = submit(req, lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
     future.add_done_callback(lambda _: queue.put_nowait(None))
     cid = new_id()
-    stream = TextStream(req, call_prefix)
+    stream = TextStream(req, call_start_chars)
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
