@@ -152,6 +152,15 @@ def test_text_answer_streams_live_and_stops_before_a_stop_sequence(client):
     assert streamed["content"] == cut["content"] and streamed["finish"] == "stop"
 
 
+@pytest.mark.parametrize("prompt", ["hello there", "look up code 7", "what now?"])
+def test_auto_tool_choice_streams_exactly_the_non_streamed_message(client, prompt):
+    kwargs = dict(model="tiny", messages=user(prompt), tools=TOOLS, tool_choice="auto", max_tokens=24)
+    full = plain(client.chat.completions.create(**kwargs))
+    streamed = assemble(client.chat.completions.create(**kwargs, stream=True))
+    strip = lambda m: (m["content"], m["finish"], [(c["name"], c["arguments"]) for c in m["calls"]])  # noqa: E731
+    assert strip(streamed) == strip(full)
+
+
 def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(client):
     kwargs = dict(model="tiny", messages=user("look up abc"), tools=TOOLS, tool_choice="required")
     base = client.chat.completions.create(**kwargs)
