@@ -141,6 +141,11 @@ class Agent:
         """The local engine's Generator (AttributeError for a remote engine)."""
         return self.engine.generator
 
+    @property
+    def format(self):
+        """The local engine's tool-call format (``agent.formats.ToolFormat``; AttributeError for a remote engine)."""
+        return self.engine.format
+
     def register(self, tool: Any, *, strict: bool | None = None) -> Tool:
         """Register one more tool (raises ToolError on duplicates, SchemaError on bad schemas)."""
         registered = self.registry.register(tool, strict=strict)

@@ -19,7 +19,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
                       SamplingParams, check_drafter)
 from schemas import Tool
 
-from .format import filter_tools, parse_turn, render_prompt, turn_grammar
+from .format import filter_tools
+from .formats import ToolFormat, make_format
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 
@@ -111,7 +112,7 @@ class Engine(Protocol):
     """Decodes one assistant turn. Implemented by :class:`LocalEngine` and ``agent.remote.OpenAIEngine``."""
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
-             response_format: dict | None = None, parallel_tool_calls: bool = True,
+             response_format: dict | None = None, parallel_tool_calls: bool | None = None,
              config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
         """Decode the assistant turn that follows ``messages``.
 
@@ -120,7 +121,7 @@ class Engine(Protocol):
             tools: every tool the model may see; ``tool_choice`` selects the callable ones.
             tool_choice: ``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}`` or OpenAI's named form.
             response_format: JSON Schema of a structured answer, or None for free text.
-            parallel_tool_calls: allow several calls in the turn.
+            parallel_tool_calls: allow several calls in the turn (None: the format's default).
             config: drafter, γ, caps, sampling and budget.
             on_text: called with each new piece of text as it is decoded (streaming).
         """
@@ -139,13 +140,16 @@ class LocalEngine:
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
     Raises:
+        tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
+            and a Jinja chat template replacing the tokenizer's.
+    Raises:
         ValueError: load-time arguments given with a model that is already loaded (they would be ignored).
+        ToolFormatError: unknown ``tool_format``, or no chat template.
     """
 
-    call_start_chars = "<"  # first characters that open a tool call (a text answer may not start with them)
-
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
-                 device: str | None = None, dtype: str | None = None):
+                 device: str | None = None, dtype: str | None = None, tool_format: str | None = None,
+                 chat_template: str | None = None):
         ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype)) if v is not None
                    and (isinstance(model, Generator) or (isinstance(model, LoadedModel) and n != "draft_model"))]
         if ignored:
@@ -156,7 +160,14 @@ class LocalEngine:
         else:
             self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
                                        dtype=dtype or "float32")
-        self._spec = (model if isinstance(model, str) else self.generator.loaded, draft_model, device, dtype)
+        self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
+        self._spec = (model if isinstance(model, str) else self.generator.loaded, draft_model, device, dtype,
+                      tool_format, chat_template)
+
+    @property
+    def call_start_chars(self) -> str:
+        """First characters that open a tool call in this format (a text answer may not start with them)."""
+        return self.format.answer_first_char_excluded()
 
     @property
     def tokenizer(self):
@@ -170,24 +181,28 @@ class LocalEngine:
         """``(LocalEngine, (model,), kwargs)``: a spec string is reloaded where the engine is rebuilt, a loaded model
         travels pickled. An engine built from a ready :class:`Generator` is rebuilt from its loaded model with
         default Generator settings (its draft model does not travel)."""
-        model, draft_model, device, dtype = self._spec
-        return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype}
+        model, draft_model, device, dtype, tool_format, chat_template = self._spec
+        return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype,
+                                       "tool_format": tool_format, "chat_template": chat_template}
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
-             response_format: dict | None = None, parallel_tool_calls: bool = True,
+             response_format: dict | None = None, parallel_tool_calls: bool | None = None,
              config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
         """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool."""
         allowed, mode = filter_tools(tools, tool_choice)
-        grammar = turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=response_format,
-                               max_string_length=config.max_string_length, max_decimals=config.max_decimals)
-        ids = render_prompt(self.tokenizer, messages, list(tools))
+        grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls,
+                                           response_format=response_format, max_string_length=config.max_string_length,
+                                           max_decimals=config.max_decimals,
+                                           after_results=messages[-1]["role"] == "tool")
+        ids = self.format.render(messages, list(tools))
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, on_text=on_text)
-        # "required": a call however short; "auto": an answer cannot start with "<" (the grammar's text rule)
-        is_call = bool(allowed) and (mode == "required" or (
-            mode == "auto" and out.text.startswith(tuple(self.call_start_chars))))
-        calls = parse_turn(out.text)[0] if is_call and not out.truncated else None
+        # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
+        # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
+        is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
+            self.format.is_call(out.text) or out.text.startswith(tuple(self.call_start_chars)))))
+        calls = self.format.parse(out.text)[0] if is_call and not out.truncated else None
         return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats)
 
 

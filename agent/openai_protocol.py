@@ -55,7 +55,7 @@ class ChatRequest:
     messages: list[dict]
     registry: ToolRegistry
     tool_choice: Any
-    parallel_tool_calls: bool
+    parallel_tool_calls: bool | None
     response: ResponseFormat | None
     config: EngineConfig
     stop: list[str] = field(default_factory=list)
@@ -87,8 +87,8 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise RequestError("stream" if not isinstance(stream, bool) else "stream_options", "has the wrong type")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
+    parallel = body.get("parallel_tool_calls")  # None: the tool format's default
+    if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls", "must be a boolean")
     return ChatRequest(model, _messages(body.get("messages"), registry), registry, tool_choice, parallel, response,
                        config, stop, stream, bool(options.get("include_usage")))

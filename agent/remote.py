@@ -62,7 +62,7 @@ class OpenAIEngine:
             "timeout": self.timeout}
 
     def request(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
-                response_format: dict | None = None, parallel_tool_calls: bool = True,
+                response_format: dict | None = None, parallel_tool_calls: bool | None = None,
                 config: EngineConfig = EngineConfig()) -> tuple[dict, dict]:
         """The chat-completions body for a turn, and the extra (non-OpenAI) fields."""
         body: dict[str, Any] = {"model": self.model, "messages": [_wire_message(m) for m in messages],
@@ -73,7 +73,7 @@ class OpenAIEngine:
         if tools:
             body["tools"] = [t.to_openai() for t in tools]
             body["tool_choice"] = _wire_tool_choice(tool_choice)
-            if tool_choice != "none":
+            if tool_choice != "none" and parallel_tool_calls is not None:
                 body["parallel_tool_calls"] = parallel_tool_calls
         if response_format is not None:
             body["response_format"] = {"type": "json_schema",
@@ -86,7 +86,7 @@ class OpenAIEngine:
         return body, extra
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
-             response_format: dict | None = None, parallel_tool_calls: bool = True,
+             response_format: dict | None = None, parallel_tool_calls: bool | None = None,
              config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
         """See :class:`~agent.engine.Engine`. With ``on_text`` the turn is streamed (content deltas are passed on).
 
