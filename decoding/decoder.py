@@ -125,10 +125,7 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
     stats, cur = run.stats, run.cur
     tokens: list[int] = []
     stop = "length"
-    while len(tokens) < max_new_tokens:
-        if state.is_stopped():
-            stop = "grammar"
-            break
+    while len(tokens) < max_new_tokens and not state.is_stopped():  # finish_decode: stopped grammar → "grammar"
         t0 = time.perf_counter()
         logits, _ = target.forward([cur])
         stats.target_forwards += 1

@@ -235,10 +235,7 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     reported = 0  # output tokens already passed to on_step
     gamma = num_draft_tokens
     stop = "length"
-    while len(tokens) < max_new_tokens:
-        if state.is_stopped():
-            stop = "grammar"
-            break
+    while len(tokens) < max_new_tokens and not state.is_stopped():  # finish_decode: stopped grammar → "grammar"
         t0 = time.perf_counter()
         budget = max_new_tokens - len(tokens)
         draft = draft_window(state, drafter, seq, run.bitmask, gamma, min(max_window, budget - 1), sampling, gen,
