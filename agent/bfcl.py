@@ -23,7 +23,7 @@ from typing import Any
 from schemas import Tool, ToolCallError, ToolRegistry
 from schemas.bfcl import tool_from_bfcl
 
-from .format import parse_turn, render_prompt, turn_grammar
+from .format import CALL_OPEN, parse_turn, render_prompt, turn_grammar
 
 CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
               "irrelevance", "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
@@ -205,7 +205,7 @@ class BfclTurn:
         Irrelevance: a text answer (cut or not) is valid and correct; a call is never correct.
         """
         parse = fmt.parse if fmt is not None else parse_turn
-        is_call = fmt.is_call(text) if fmt is not None else text.lstrip().startswith("<tool_call>")
+        is_call = fmt.is_call(text) if fmt is not None else text.lstrip().startswith(CALL_OPEN)
         if is_irrelevance(self.category) and not is_call:
             return True, True
         if truncated:

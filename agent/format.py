@@ -14,8 +14,7 @@ import json
 import threading
 from typing import Any, Iterable
 
-from constraints import lark_grammar, lark_json, schema_compiles
-from schemas import Tool, ToolCallError, call_schema, narrow_for_grammar
+from schemas import Tool, ToolCallError
 
 # The system prompt shows the layout with placeholders only: a worked example's values (a city, a date) were copied
 # into answers (4 of 200 never-seen BFCL questions on SmolLM2-135M).
@@ -184,27 +183,10 @@ def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool
             ``pattern``/``format``, so a call always closes within a token budget. Outputs stay schema-valid.
         max_decimals: bound numbers to this many decimals and ``|x| <= 1e15`` (see :func:`schemas.bound_scalars`).
     """
-    lenient = any(not t.strict for t in tools)
-    rules = []
-    start = []
-    if tool_choice != "none" and tools:
-        schema = call_schema(tools, max_string_length=max_string_length, max_decimals=max_decimals,
-                             compiles=schema_compiles)
-        rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
-        more = f' ("{SEPARATORS[0]}" call)*' if parallel else ""
-        rules.append(f'calls: "{CALL_OPEN}[" call{more} "]{CALL_CLOSE}"')
-        start.append("calls")
-    if tool_choice not in ("required",) or not tools:
-        if response_format is not None:
-            # closed like tool arguments (the model cannot add undeclared keys); validated against the original
-            answer = narrow_for_grammar(response_format, compiles=schema_compiles)
-            rules.append(f"answer: {lark_json(answer, separators=SEPARATORS)}")
-        elif start:
-            rules.append("answer: TEXT\nTEXT: /[^<\\s](.|\\n)*/")  # text must not open a tool call
-        else:
-            rules.append("answer: TEXT\nTEXT: /[^\\s](.|\\n)*/")
-        start.append("answer")
-    return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
+    from .formats.generic import GenericFormat  # the one builder of the generic grammar (markers as text)
+
+    return GenericFormat(None).turn_grammar(tools, tool_choice, parallel=parallel, response_format=response_format,
+                                            max_string_length=max_string_length, max_decimals=max_decimals)
 
 
 def parse_turn(text: str) -> tuple[list[dict] | None, str]:
