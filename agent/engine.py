@@ -139,7 +139,8 @@ class LocalEngine:
         model: a :class:`Generator`, a :class:`LoadedModel` or a spec for ``decoding.load_model``.
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
-    Raises:
+        engine, threads: ``"torch"`` (default) or ``"llamacpp"`` (llama.cpp's CPU kernels on the GGUF as shipped;
+            ``threads`` CPU threads), only with a spec (see :class:`decoding.Generator`).
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
     Raises:
@@ -149,9 +150,10 @@ class LocalEngine:
 
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
                  device: str | None = None, dtype: str | None = None, tool_format: str | None = None,
-                 chat_template: str | None = None):
-        ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype)) if v is not None
-                   and (isinstance(model, Generator) or (isinstance(model, LoadedModel) and n != "draft_model"))]
+                 chat_template: str | None = None, engine: str | None = None, threads: int | None = None):
+        ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
+                                  ("engine", engine), ("threads", threads)) if v is not None
+                   and (isinstance(model, Generator) or (not isinstance(model, str) and n != "draft_model"))]
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: the model is already loaded "
                              f"({type(model).__name__}); pass them where it is loaded")
@@ -159,10 +161,16 @@ class LocalEngine:
             self.generator = model
         else:
             self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
-                                       dtype=dtype or "float32")
+                                       dtype=dtype or "float32", engine=engine or "torch", threads=threads)
         self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
-        self._spec = (model if isinstance(model, str) else self.generator.loaded, draft_model, device, dtype,
-                      tool_format, chat_template)
+        loaded = self.generator.loaded
+        if isinstance(model, str):
+            where = model
+        elif self.generator.engine == "llamacpp":  # a llama.cpp model is rebuilt from its GGUF (ctypes handles)
+            where, engine, threads = str(loaded.path), "llamacpp", loaded.n_threads
+        else:
+            where = loaded
+        self._spec = (where, draft_model, device, dtype, tool_format, chat_template, engine, threads)
 
     @property
     def call_start_chars(self) -> str:
@@ -181,9 +189,10 @@ class LocalEngine:
         """``(LocalEngine, (model,), kwargs)``: a spec string is reloaded where the engine is rebuilt, a loaded model
         travels pickled. An engine built from a ready :class:`Generator` is rebuilt from its loaded model with
         default Generator settings (its draft model does not travel)."""
-        model, draft_model, device, dtype, tool_format, chat_template = self._spec
+        model, draft_model, device, dtype, tool_format, chat_template, engine, threads = self._spec
         return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype,
-                                       "tool_format": tool_format, "chat_template": chat_template}
+                                       "tool_format": tool_format, "chat_template": chat_template,
+                                       "engine": engine, "threads": threads}
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,

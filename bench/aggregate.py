@@ -43,9 +43,11 @@ def _share(runs: list[Run], attr: str) -> float | None:
 
 
 def aggregate(runs: dict[str, list[Run]], prompts: list[BenchPrompt], baseline: dict[str, list[Run]] | None,
-              rss_mb: float) -> dict:
+              rss_mb: float, same_engine: dict[str, list[Run]] | None = None) -> dict:
     """The result fields of one mode. ``runs[prompt id]`` = that prompt's repeats; ``baseline`` the same for
-    ``constrained`` (None: speedup and identity are null)."""
+    ``constrained`` (None: speedup and identity are null); ``same_engine``: the constrained greedy of the mode's own
+    engine, which ``identical_to_constrained`` compares with (default ``baseline``)."""
+    same_engine = baseline if same_engine is None else same_engine
     flat = [r for p in prompts for r in runs[p.id]]
     tps = {p.id: statistics.median(r.tokens_per_s for r in runs[p.id]) for p in prompts}
     speedups, identical = [], []
@@ -54,7 +56,7 @@ def aggregate(runs: dict[str, list[Run]], prompts: list[BenchPrompt], baseline: 
             base = statistics.median(r.tokens_per_s for r in baseline[p.id])
             if base > 0:
                 speedups.append(tps[p.id] / base)
-            identical.append(runs[p.id][0].tokens == baseline[p.id][0].tokens)
+            identical.append(runs[p.id][0].tokens == same_engine[p.id][0].tokens)
     forwards = [r.forwards for r in flat]
     tpf = None if any(f is None for f in forwards) or not sum(forwards) else \
         round(sum(len(r.tokens) for r in flat) / sum(forwards), 4)

@@ -4,8 +4,9 @@ with ``json_schema_to_gbnf`` (what ``LlamaGrammar.from_json_schema`` does), wrap
 
 ``llama_cpp`` is an optional dependency (it builds from source); the benchmark skips this mode when the import
 fails. Differences from our grammar that the numbers carry: llama.cpp's JSON grammar allows free whitespace where
-ours fixes the separators, ignores some keywords (e.g. ``multipleOf``), and runs the Q4_1 weights (ours: the
-dequantised fp32 weights), so its token ids are not expected to equal the constrained mode's.
+ours fixes the separators and ignores some keywords (e.g. ``multipleOf``), so its token ids are not expected to
+equal the constrained modes'. Unconstrained (``gbnf=None``) it is the ``llamacpp_unconstrained`` mode. Our own
+decoder on the same kernels is the llama.cpp engine (``decoding/llamacpp.py``, modes ``llamacpp_engine_*``).
 """
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ class LlamaCppPeer:
                          n_gpu_layers=-1 if gpu else 0, verbose=False, seed=0)
         self.eos = self.llm.token_eos()
 
-    def generate(self, prompt: list[int], gbnf: str, *, max_new_tokens: int) -> LlamaCppRun:
+    def generate(self, prompt: list[int], gbnf: str | None, *, max_new_tokens: int) -> LlamaCppRun:
+        """Greedy decode of ``prompt`` under ``gbnf`` (None: unconstrained, until EOS or ``max_new_tokens``)."""
         from llama_cpp import LlamaGrammar
 
-        grammar = LlamaGrammar.from_string(gbnf, verbose=False)  # fresh per decode: the grammar is stateful
+        # fresh per decode: the grammar is stateful
+        grammar = None if gbnf is None else LlamaGrammar.from_string(gbnf, verbose=False)
         tokens: list[int] = []
         truncated = True
         t0 = time.perf_counter()

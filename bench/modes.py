@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 
 from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
-from decoding import DRAFTERS, Generator, LoadedModel, ModelNotFoundError
+from decoding import DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel, ModelNotFoundError
+from decoding.generator import TORCH_DRAFTERS
 from constraints import schema_compiles
 from schemas import SpecAgentError, ToolRegistry, call_schema
 
@@ -18,10 +19,24 @@ BASELINE = "constrained"
 # one mode per row of decoding's drafter table (``none`` is the baseline), and ``best``: the Generator's default
 OUR_DRAFTERS: dict[str, str | None] = {**{BASELINE if name == "none" else name: name for name in DRAFTERS},
                                        "best": None}
+# the same decoder on the llama.cpp engine (decoding/llamacpp.py): drafters that need no torch weights
+LLAMACPP_ENGINE = "llamacpp_engine_"
+LLAMACPP_BASELINE = LLAMACPP_ENGINE + BASELINE
+LLAMACPP_DRAFTERS: dict[str, str | None] = {LLAMACPP_ENGINE + m: d for m, d in OUR_DRAFTERS.items()
+                                            if d not in TORCH_DRAFTERS}
 MODES = ("hf_unconstrained", *(m for m in OUR_DRAFTERS if m != "best"), "hf_assisted_constrained",
-         "llamacpp_constrained", "best")
+         "llamacpp_unconstrained", "llamacpp_constrained", *LLAMACPP_DRAFTERS, "best")
 DEFAULT_MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model",
                  "hf_assisted_constrained", "llamacpp_constrained", "best")
+# llama.cpp against its own peers and the torch engine (``make bench-llamacpp``)
+LLAMACPP_MODES = ("llamacpp_unconstrained", "llamacpp_constrained", LLAMACPP_BASELINE, "llamacpp_engine_lookup",
+                  "llamacpp_engine_best", "constrained", "best")
+
+
+def baseline_of(mode: str) -> str:
+    """The mode whose output ``mode``'s ``identical_to_constrained`` compares with: the constrained greedy of the
+    same engine (``llamacpp_engine_constrained`` for the llama.cpp engine, ``constrained`` otherwise)."""
+    return LLAMACPP_BASELINE if mode.startswith(LLAMACPP_ENGINE) else BASELINE
 
 
 class SkipMode(SpecAgentError):
@@ -133,19 +148,28 @@ class Bench:
         if mtp_checkpoint is not None:
             self.gen.mtp_checkpoint = mtp_checkpoint  # read by Generator.mtp_head() (decoding/mtp.py)
         self._llamacpp = None
+        self._llamacpp_engine: Generator | None = None
+        self.threads = torch.get_num_threads()
 
     # -- per-mode setup (raises SkipMode) ------------------------------------------------------------------------------
     def check(self, mode: str) -> None:
         """Raise :class:`SkipMode` when ``mode`` cannot run here."""
         if mode == "draft_model" and self.draft_loaded is None:
             raise SkipMode(self.draft_error or "no draft model")
-        if mode == "llamacpp_constrained" and self._llamacpp is None:
+        if mode in LLAMACPP_DRAFTERS and self._llamacpp_engine is None:
+            if self.model_spec is None:
+                raise SkipMode("the llama.cpp engine needs the model's GGUF; the model was passed in already loaded")
+            try:
+                self._llamacpp_engine = Generator(self.model_spec, engine="llamacpp", threads=self.threads)
+            except (LlamaCppUnavailableError, ModelNotFoundError) as e:
+                raise SkipMode(str(e)) from None
+        if mode in ("llamacpp_constrained", "llamacpp_unconstrained") and self._llamacpp is None:
             from .llamacpp_peer import LlamaCppPeer, LlamaCppUnavailable
 
             if self.model_spec is None:
                 raise SkipMode("llama.cpp needs the model's GGUF; the model was passed in already loaded")
             try:
-                self._llamacpp = LlamaCppPeer(self.model_spec, n_threads=torch.get_num_threads(),
+                self._llamacpp = LlamaCppPeer(self.model_spec, n_threads=self.threads,
                                               gpu=self.loaded.device.type == "cuda")
             except (LlamaCppUnavailable, ModelNotFoundError) as e:
                 raise SkipMode(str(e)) from None
@@ -154,6 +178,11 @@ class Bench:
     def run(self, mode: str, p: BenchPrompt) -> Run:
         if mode in OUR_DRAFTERS:
             return self.run_ours(OUR_DRAFTERS[mode], p, None if mode == "best" else self.num_draft_tokens)
+        if mode in LLAMACPP_DRAFTERS:
+            return self.run_ours(LLAMACPP_DRAFTERS[mode], p, None if mode.endswith("best") else self.num_draft_tokens,
+                                 gen=self._llamacpp_engine)
+        if mode == "llamacpp_unconstrained":
+            return self._run_llamacpp(p, constrained=False)
         if mode == "hf_unconstrained":
             return self._run_hf(p, constrained=False)
         if mode == "hf_assisted_constrained":
@@ -162,12 +191,15 @@ class Bench:
             return self._run_llamacpp(p)
         raise ValueError(f"unknown mode {mode!r}")
 
-    def run_ours(self, drafter: str | None, p: BenchPrompt, num_draft_tokens: int | None) -> Run:
-        """``Generator.generate`` greedy with ``drafter`` (None: the default) and γ (None: the default)."""
-        res = self.gen.generate(p.ids, p.grammar, max_new_tokens=self.max_new_tokens, drafter=drafter,
-                                num_draft_tokens=num_draft_tokens)
+    def run_ours(self, drafter: str | None, p: BenchPrompt, num_draft_tokens: int | None,
+                 gen: Generator | None = None) -> Run:
+        """``Generator.generate`` greedy with ``drafter`` (None: the default) and γ (None: the default), on the torch
+        engine's Generator or ``gen``."""
+        gen = gen or self.gen
+        res = gen.generate(p.ids, p.grammar, max_new_tokens=self.max_new_tokens, drafter=drafter,
+                           num_draft_tokens=num_draft_tokens)
         s = res.stats
-        speculative = (drafter or self.gen.drafter) != "none"
+        speculative = (drafter or gen.drafter) != "none"
         return Run(res.tokens, res.text, res.truncated, s.seconds, s.tokens_per_s, s.target_forwards,
                    list(s.drafted_by_position) if speculative else None,
                    list(s.accepted_by_position) if speculative else None,
@@ -194,10 +226,11 @@ class Bench:
                    r.mask_seconds if constrained else 0.0, None if constrained else 0.0, r.forward_seconds,
                    drafted=drafted, accepted=accepted)
 
-    def _run_llamacpp(self, p: BenchPrompt) -> Run:
+    def _run_llamacpp(self, p: BenchPrompt, constrained: bool = True) -> Run:
         from .llamacpp_peer import call_gbnf
 
-        r = self._llamacpp.generate(p.ids, call_gbnf(p.call_schema), max_new_tokens=self.max_new_tokens)
+        r = self._llamacpp.generate(p.ids, call_gbnf(p.call_schema) if constrained else None,
+                                    max_new_tokens=self.max_new_tokens)
         text = self.loaded.tokenizer.decode(r.tokens, skip_special_tokens=False)
         return Run(r.tokens, text, r.truncated, r.seconds, _decode_tps(len(r.tokens), r.seconds, r.prefill_seconds),
                    len(r.tokens) + (0 if r.truncated else 1), None, None, None, 0.0, None)

@@ -55,7 +55,8 @@ def write_markdown(path: Path, results: dict[str, dict], meta: dict) -> None:
     lines = [f"# Decoding benchmark — {meta.get('model')} ({meta.get('device')}, {meta.get('dtype')})", "",
              f"{meta.get('n_prompts')} prompts ({', '.join(meta.get('categories', []))}), {meta.get('repeat')} "
              f"repeat(s), max_new_tokens {meta.get('max_new_tokens')}, γ {meta.get('num_draft_tokens')}; "
-             f"{meta.get('cpu')}, {meta.get('torch_threads')} torch threads; {meta.get('date')}", "",
+             f"split {meta.get('split') or 'whole file'}; "
+             f"{meta.get('cpu')}, {meta.get('torch_threads')} threads; {meta.get('date')}", "",
              f"`{meta.get('command')}`", "",
              "| mode | tokens/s | speedup vs constrained | tokens/forward | acceptance by position | mask | draft | "
              "verify | peak RSS MB | valid | identical to constrained |",
@@ -66,6 +67,9 @@ def write_markdown(path: Path, results: dict[str, dict], meta: dict) -> None:
                      f"{fmt(r['mask_time_share'], True)} | {fmt(r['draft_time_share'], True)} | "
                      f"{fmt(r['verify_time_share'], True)} | {fmt(r['peak_rss_mb'])} | {fmt(r['valid'], True)} | "
                      f"{fmt(r['identical_to_constrained'], True)} |")
+    if meta.get("ratios"):
+        lines += ["", "Speed ratios (per prompt, then the median): " + "; ".join(
+            f"{pair} = {v:.2f}×" for pair, v in meta["ratios"].items())]
     if meta.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"**{m}** ({why})" for m, why in meta["skipped"].items())]
     lines += ["", "tokens/s: median over prompts (each the median of its repeats), prefill excluded. Speedup: per "

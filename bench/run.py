@@ -14,8 +14,15 @@ Modes:
     draft_model              speculative with ``--draft-model`` (skipped without one).
     hf_assisted_constrained  ``generate`` with prompt lookup (``prompt_lookup_num_tokens=4``; an ``assistant_model``
                              with ``--draft-model``) and an llguidance logits processor (bench/hf_peer.py).
-    llamacpp_constrained     llama-cpp-python on the same GGUF, GBNF from the call schema (skipped without llama_cpp).
-    best                     the agent's default configuration (``decoding.DEFAULT_DRAFTER``, default γ).
+    llamacpp_constrained     llama-cpp-python on the same GGUF, GBNF from the call schema (skipped without llama_cpp):
+                             the peer a user would pick.
+    llamacpp_unconstrained   llama-cpp-python on the same GGUF, greedy, no grammar (stops at EOS).
+    llamacpp_engine_<d>      our decoder on the llama.cpp engine (``decoding/llamacpp.py``, same GGUF) with drafter
+                             <d>: ``llamacpp_engine_constrained`` (one token per forward: that engine's baseline of
+                             identity), ``_forced``, ``_schema``, ``_lookup``, ``_best`` (the default drafter and γ).
+    best                     the agent's default configuration (``decoding.DEFAULT_DRAFTER``, default γ) on torch.
+    ``--modes llamacpp``     = llamacpp_unconstrained, llamacpp_constrained, llamacpp_engine_constrained,
+                             llamacpp_engine_lookup, llamacpp_engine_best, constrained, best.
     (any other row of ``decoding.DRAFTERS``, e.g. ``schema``, ``lookup_mtp``: speculative with that drafter; not in
     the default ``--modes``)
 
@@ -35,7 +42,12 @@ Per mode (``results.json``, one object per mode, plus ``meta``):
                              PROCESS-WIDE peak so far (all modes share one process and one model), not the mode's own.
     valid                    fraction of prompts whose output parses (``agent.format.parse_turn``) into ≥ 1 call that
                              validates (``Tool.make_call``); a truncated output is invalid.
-    identical_to_constrained fraction of prompts whose output token ids equal ``constrained``'s.
+    identical_to_constrained fraction of prompts whose output token ids equal those of the constrained greedy of
+                             the same engine (``constrained``; ``llamacpp_engine_constrained`` for llama.cpp engine
+                             modes). llama.cpp's own grammar differs from ours (free whitespace), so its modes are
+                             not expected to be identical.
+``meta.ratios``: per-prompt speed ratios (median) of llamacpp_engine_best against llamacpp_constrained,
+llamacpp_unconstrained and best, where they ran.
 Values that cannot be measured for a mode are null. Also writes ``results.md``, ``speedup.png`` and
 ``per_prompt.jsonl`` (one line per mode and prompt).
 """
@@ -50,23 +62,26 @@ from typing import Any, Callable
 
 import torch
 
-from agent.bfcl import CATEGORIES, load_questions
+from agent.bfcl import CATEGORIES, SPLITS, load_questions
 from decoding import DEFAULT_DRAFTER, LoadedModel, ModelNotFoundError, MTPError, load_model
 
 from .aggregate import aggregate, peak_rss_mb
-from .modes import BASELINE, DEFAULT_MODES, MODES, Bench, BenchPrompt, Run, SkipMode, build_prompts
+from .modes import (BASELINE, DEFAULT_MODES, LLAMACPP_BASELINE, LLAMACPP_DRAFTERS, LLAMACPP_MODES, MODES, Bench,
+                    BenchPrompt, Run, SkipMode, baseline_of, build_prompts)
 from .report import machine_meta, write_outputs
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
-def load_rows(categories: list[str], data_dir: str | None, limit: int | None) -> list[tuple[str, dict]]:
-    """``(category, row)`` for the first ``limit`` questions of each category."""
+def load_rows(categories: list[str], data_dir: str | None, limit: int | None,
+              split: str | None = None) -> list[tuple[str, dict]]:
+    """``(category, row)`` for the first ``limit`` questions of each category (of its ``split``: ``dev`` = first
+    half of the file, ``test`` = second half, None = the whole file; see ``agent.bfcl.load_questions``)."""
     out = []
     for cat in categories:
         if cat not in CATEGORIES:
             raise SystemExit(f"unknown BFCL category {cat!r}; choose from {', '.join(CATEGORIES)}")
-        out.extend((cat, row) for row in load_questions(cat, data_dir, limit))
+        out.extend((cat, row) for row in load_questions(cat, data_dir, limit, split))
     return out
 
 
@@ -97,6 +112,9 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
     if BASELINE not in modes:
         log(f"note: adding mode {BASELINE!r}, the baseline of speedup_vs_constrained and identical_to_constrained")
         modes.insert(0, BASELINE)
+    if any(baseline_of(m) == LLAMACPP_BASELINE for m in modes) and LLAMACPP_BASELINE not in modes:
+        log(f"note: adding mode {LLAMACPP_BASELINE!r}, the llama.cpp engine's baseline of identical_to_constrained")
+        modes.insert(1, LLAMACPP_BASELINE)
     prompts = build_prompts(loaded.tokenizer, rows)
     if not prompts:
         raise ValueError("no prompts")
@@ -114,7 +132,7 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
         except (ModelNotFoundError, FileNotFoundError, NotImplementedError, MTPError) as e:
             skipped[m] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - optional modes (mtp/draft_model/llama.cpp) may fail to load
-            if m in ("mtp", "draft_model", "llamacpp_constrained"):
+            if m in ("mtp", "draft_model", "llamacpp_constrained", "llamacpp_unconstrained") or m in LLAMACPP_DRAFTERS:
                 skipped[m] = f"{type(e).__name__}: {e}"
             else:
                 raise
@@ -131,8 +149,30 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
         line = "  ".join(f"{m} {statistics.median(r.tokens_per_s for r in runs[m][p.id]):.1f}" for m in active)
         log(f"[{i + 1}/{len(prompts)}] {p.id} ({len(runs[BASELINE][p.id][0].tokens)} tokens) tok/s: {line}")
     log(f"{len(prompts)} prompts x {repeat} repeats x {len(active)} modes in {time.perf_counter() - t0:.1f} s")
-    results = {m: aggregate(runs[m], prompts, runs[BASELINE], rss[m]) for m in active}
+    results = {m: aggregate(runs[m], prompts, runs[BASELINE], rss[m], runs.get(baseline_of(m))) for m in active}
     return BenchResult(results, skipped, runs, prompts)
+
+
+RATIOS = (("llamacpp_engine_best", "llamacpp_constrained"), ("llamacpp_engine_best", "llamacpp_unconstrained"),
+          ("llamacpp_engine_best", "best"), ("llamacpp_engine_constrained", "constrained"),
+          ("best", "llamacpp_constrained"))
+
+
+def speed_ratios(res: BenchResult) -> dict[str, float]:
+    """``"A / B"`` → median over prompts of (A's tokens/s ÷ B's tokens/s on that prompt), for the pairs of
+    :data:`RATIOS` that both ran (each side's per-prompt value is the median of its repeats)."""
+    out = {}
+    for a, b in RATIOS:
+        if a in res.runs and b in res.runs:
+            ratios = []
+            for p in res.prompts:
+                ta = statistics.median(r.tokens_per_s for r in res.runs[a][p.id])
+                tb = statistics.median(r.tokens_per_s for r in res.runs[b][p.id])
+                if tb > 0:
+                    ratios.append(ta / tb)
+            if ratios:
+                out[f"{a} / {b}"] = round(statistics.median(ratios), 3)
+    return out
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -140,7 +180,10 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2", help="alias, HF directory or .gguf path (default: smollm2)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of torch and llama.cpp (default: torch's)")
+    ap.add_argument("--split", default=None, choices=SPLITS,
+                    help="BFCL split: dev = first half of each file (tuned on), test = second half (never tuned "
+                         "on); default: the whole file")
     ap.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* files "
                                                      "(default ../shared/data/bfcl)")
     ap.add_argument("--category", nargs="+", default=["simple_python"],
@@ -165,7 +208,8 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma list of: {', '.join(MODES)} (default: {', '.join(DEFAULT_MODES)})")
+                    help=f"comma list of: {', '.join(MODES)}, or 'llamacpp' for {', '.join(LLAMACPP_MODES)} "
+                         f"(default: {', '.join(DEFAULT_MODES)})")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="γ for forced/lookup/mtp/draft_model and HF's "
                                                                     "assistant (best uses the default γ)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
@@ -173,7 +217,8 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    rows = load_rows(categories(args), args.data_dir, args.limit)
+    modes = [x for m in modes for x in (LLAMACPP_MODES if m == "llamacpp" else (m,))]
+    rows = load_rows(categories(args), args.data_dir, args.limit, args.split)
     model_spec = None
     if loaded is None:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -185,7 +230,8 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     meta = machine_meta(argv)
     meta.update(model=loaded.name, model_sha256=loaded.sha256, device=str(loaded.device),
                 dtype=str(loaded.dtype).replace("torch.", ""), categories=categories(args), repeat=args.repeat,
-                max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, split=args.split,
+                ratios=speed_ratios(res),
                 default_drafter=DEFAULT_DRAFTER, n_prompts=len(res.prompts),
                 prompts=[{"id": p.id, "prompt_tokens": len(p.ids)} for p in res.prompts],
                 peak_rss_note="peak_rss_mb is process-wide (ru_maxrss after the mode's last run), not per mode")

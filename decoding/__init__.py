@@ -3,7 +3,8 @@ from schemas.errors import SpecAgentError
 
 from .decoder import decode
 from .drafters import ChainDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SchemaDrafter
-from .generator import ContextLengthError, Generator
+from .generator import ENGINES, ContextLengthError, Generator
+from .llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppUnavailableError, load_llamacpp
 from .loader import (DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundError, UnsupportedModelError,
                      load_model)
 from .model import CausalLM
@@ -14,6 +15,6 @@ from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
 __all__ = ["CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS",
-           "DecodeResult", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
+           "DecodeResult", "ENGINES", "LlamaCppLM", "LlamaCppModel", "LlamaCppUnavailableError", "load_llamacpp", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
            "MTPError", "ModelNotFoundError", "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError",
            "UnsupportedModelError", "check_drafter", "decode", "load_model", "make_drafter", "speculative_decode"]

@@ -21,6 +21,7 @@ from schemas.errors import SpecAgentError
 
 from .decoder import decode
 from .drafters import Drafter
+from .llamacpp import LlamaCppModel, load_llamacpp
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM
 from .mtp import load_head
@@ -30,7 +31,10 @@ from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-__all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
+ENGINES = ("torch", "llamacpp")
+TORCH_DRAFTERS = ("draft_model", "mtp", "lookup_mtp")  # need the target's torch weights (not on llama.cpp)
+
+__all__ = ["ContextLengthError", "ENGINES", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
 
 
 class ContextLengthError(SpecAgentError, ValueError):
@@ -46,16 +50,40 @@ class Generator:
         num_draft_tokens: γ, drafter tokens per window.
         adaptive: adapt γ online from acceptance.
         draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
-        device, dtype: used when ``model`` is a spec.
+        device, dtype: used when ``model`` is a spec (torch engine).
+        engine: ``"torch"`` (transformers, fp32/bf16 weights, CPU or CUDA) or ``"llamacpp"`` (llama.cpp's CPU
+            kernels on the GGUF as shipped, ``decoding/llamacpp.py``), used when ``model`` is a spec; a
+            :class:`decoding.llamacpp.LlamaCppModel` selects ``llamacpp``.
+        threads: CPU threads of the llama.cpp engine (default: ``OMP_NUM_THREADS`` or the CPUs this process may use).
+
+    Raises:
+        ValueError: unknown engine or drafter; ``device``/``dtype`` other than the defaults with ``engine="llamacpp"``.
+        LlamaCppUnavailableError: ``engine="llamacpp"`` without llama-cpp-python installed.
     """
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
-                 device: str = "cpu", dtype: str = "float32"):
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+                 device: str = "cpu", dtype: str = "float32", engine: str = "torch", threads: int | None = None):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+        if isinstance(model, (LoadedModel, LlamaCppModel)):
+            self.loaded = model
+        elif engine == "llamacpp":
+            if device != "cpu" or dtype not in ("float32", "fp32"):
+                raise ValueError(f"engine='llamacpp' runs the GGUF as shipped on the CPU: device={device!r}, "
+                                 f"dtype={dtype!r} apply to engine='torch' only")
+            self.loaded = load_llamacpp(model, n_threads=threads)
+        else:
+            self.loaded = load_model(model, device=device, dtype=dtype)
+        self.engine = "llamacpp" if isinstance(self.loaded, LlamaCppModel) else "torch"
         self.tokenizer = self.loaded.tokenizer
-        self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
+        if self.engine == "llamacpp":
+            self.llg_tokenizer = self.loaded.llg_tokenizer()
+        else:
+            self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
         check_drafter(drafter)
+        if drafter in TORCH_DRAFTERS:
+            self._need_torch(drafter)
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
@@ -76,6 +104,7 @@ class Generator:
             ValueError: no ``draft_model=`` was given, or its tokenizer differs from the target's.
             ModelNotFoundError: the draft model's files are missing.
         """
+        self._need_torch("draft_model")
         with self._lock:
             if self._draft_loaded is None:
                 if self._draft_spec is None:
@@ -90,10 +119,23 @@ class Generator:
 
     def mtp_head(self):
         """The model's MTP head (loaded once; raises FileNotFoundError / MTPError when none fits)."""
+        self._need_torch("mtp")
         with self._lock:
             if self._mtp_head is None:
                 self._mtp_head, _ = load_head(self.loaded, self.mtp_checkpoint)
             return self._mtp_head
+
+    def _need_torch(self, what: str) -> None:
+        if self.engine != "torch":
+            raise ValueError(f"the {what} drafter needs the target's torch weights (hidden states, a torch draft "
+                             f"model); with engine={self.engine!r} use drafter none, forced, schema or lookup")
+
+    def new_target(self):
+        """A fresh KV-cached forward wrapper of the target (:class:`CausalLM` or the llama.cpp engine's
+        :class:`decoding.llamacpp.LlamaCppLM`) for one decode."""
+        if self.engine == "llamacpp":
+            return self.loaded.new_lm()
+        return CausalLM(self.loaded)
 
     def make_drafter(self, name: str) -> Drafter | None:
         """A fresh drafter for mode ``name`` from :data:`decoding.registry.DRAFTERS` (None for ``none`` /
@@ -125,7 +167,7 @@ class Generator:
             max_new_tokens = min(max_new_tokens, limit - len(prompt))
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = drafter or self.drafter
-        target = CausalLM(self.loaded)
+        target = self.new_target()
         on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
         if mode == "none":
             result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -1,0 +1,328 @@
+"""The llama.cpp engine: the target's forward on llama.cpp's CPU kernels (GGUF weights as shipped, quantised),
+through llama-cpp-python's low-level C API.
+
+Everything above the forward is unchanged: drafters, schema-forced tokens, per-row bitmasks over the γ+1 verify
+rows, Leviathan acceptance and rollback run exactly as with the torch engine (``decoding/speculative.py``); only
+:class:`LlamaCppLM` differs from :class:`decoding.model.CausalLM`:
+
+* ``forward(tokens, num_logits=n)`` is one ``llama_decode`` over the tokens, with logits requested for the last
+  ``n`` of them only (the batch's per-token ``logits`` flags; not ``logits_all``, which would keep logits for the
+  whole context), read back in one copy from ``llama_get_logits`` (``float32 [n, V]``);
+* ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
+  ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
+* the grammar tokenizer is built from the GGUF vocabulary (``llguidance.llamacpp.lltokenizer_from_vocab``), and the
+  chat template is rendered by the Hugging Face tokenizer read from the same GGUF (token ids are the GGUF's).
+
+Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
+k-row batch as for the same row alone; ``tests/test_llamacpp.py`` checks it on real prompts and the benchmark
+reports ``identical_to_constrained`` per engine.
+
+``llama_cpp`` is an optional dependency (``make setup-llamacpp`` builds it from source, ~10 min on 2 cores);
+:class:`LlamaCppUnavailableError` says how to install it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from schemas.errors import SpecAgentError
+
+from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, locate_gguf,
+                     sha256_file)
+
+INSTALL = ('make setup-llamacpp (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36; '
+           "builds from source, ~10 min on 2 cores)")
+DEFAULT_N_CTX = 8192  # KV cache positions per context (capped by the model's training context)
+DEFAULT_N_BATCH = 512  # tokens per llama_decode call (a longer prefill is fed in chunks)
+
+
+class LlamaCppUnavailableError(SpecAgentError, ImportError):
+    """llama-cpp-python is not installed; the message gives the install command."""
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise LlamaCppUnavailableError(f"the llama.cpp engine needs llama-cpp-python ({e}); install it with: "
+                                       f"{INSTALL}") from None
+    log = logging.getLogger("llama-cpp-python")  # llama.cpp's own log lines go through this logger
+    if log.level == logging.NOTSET:  # left unset (it then prints everything, load chatter included): warnings only
+        log.setLevel(logging.WARNING)
+    return llama_cpp
+
+
+def gguf_of(spec: str) -> tuple[Path, str, str]:
+    """``(GGUF path, display name, sha256)`` for an alias of :data:`decoding.loader.KNOWN_MODELS` or a ``.gguf``
+    path.
+
+    Raises:
+        ModelNotFoundError: not an alias or an existing ``.gguf`` file (the llama.cpp engine reads GGUF only).
+    """
+    if spec in KNOWN_MODELS:
+        src = KNOWN_MODELS[spec]
+        return locate_gguf(src), src.name, src.sha256
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, path.name, sha256_file(path)
+    raise ModelNotFoundError(f"the llama.cpp engine loads GGUF files: {spec!r} is neither an alias "
+                             f"({', '.join(sorted(KNOWN_MODELS))}) nor a .gguf file; use engine='torch' for a "
+                             f"Hugging Face directory or id")
+
+
+def gguf_tokenizer(gguf: Path, sha256: str):
+    """The Hugging Face tokenizer (with its chat template) stored in a GGUF, cached once per file
+    (``$SPECAGENT_CACHE/tokenizers/<sha256[:16]>``; the torch engine's converted directory is used when present)."""
+    from transformers import AutoTokenizer
+
+    for d in (cache_root() / "models" / sha256[:16], cache_root() / "tokenizers" / sha256[:16]):
+        if (d / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    out = cache_root() / "tokenizers" / sha256[:16]
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    return tok
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF model loaded by llama.cpp (weights shared, read-only) and its tokenizers.
+
+    Plays the part of :class:`decoding.loader.LoadedModel` for :class:`decoding.Generator` (``tokenizer``,
+    ``name``, ``sha256``, ``device``, ``vocab_size``, ``context_length``, ``eos_token_id``); every thread that decodes
+    gets its own llama.cpp context (KV cache) from :meth:`new_lm`.
+
+    Attributes:
+        n_threads: CPU threads per forward (default :func:`default_threads`).
+        n_ctx: KV cache positions per context; prompt + new tokens must fit.
+    """
+
+    path: Path
+    name: str
+    sha256: str
+    tokenizer: Any
+    n_threads: int
+    n_ctx: int
+    n_batch: int = DEFAULT_N_BATCH
+    engine: str = "llamacpp"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: str = "gguf"
+    _model: Any = None
+    _vocab: Any = None
+    _local: threading.local = field(default_factory=threading.local)
+    _llg: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def vocab_size(self) -> int:
+        """Logits width V (``llama_vocab_n_tokens``)."""
+        return int(_llama_cpp().llama_vocab_n_tokens(self._vocab))
+
+    @property
+    def context_length(self) -> int:
+        """Positions one context holds (prompt + new tokens)."""
+        return self.n_ctx
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    def llg_tokenizer(self):
+        """The llguidance tokenizer of the GGUF vocabulary (built once, ~1 s; EOS = the tokenizer's EOS)."""
+        with self._lock:
+            if self._llg is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                with warnings.catch_warnings():  # llguidance calls llama_token_get_attr, deprecated, once per token
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._llg = lltokenizer_from_vocab(self._vocab, eos_token=self.eos_token_id)
+            return self._llg
+
+    def new_lm(self) -> "LlamaCppLM":
+        """A KV-cached forward wrapper on this thread's llama.cpp context (created on first use)."""
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = _Context(self)
+            self._local.ctx = ctx
+        return LlamaCppLM(self, ctx)
+
+
+def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAULT_N_CTX,
+                  repack: bool = False) -> LlamaCppModel:
+    """Load a GGUF model (alias or ``.gguf`` path) on llama.cpp's CPU backend, offline.
+
+    Args:
+        n_threads: CPU threads per forward (default :func:`default_threads`).
+        n_ctx: KV cache positions per context (capped by the model's training context).
+        repack: let llama.cpp repack quantised weights into its interleaved CPU layouts (``use_extra_bufts``);
+            off by default: with it, a row's logits in a k-row verify batch differ from the same row alone (measured
+            on Qwen2.5-Coder Q4_K_M), which breaks greedy identity (see the module docstring).
+
+    Raises:
+        LlamaCppUnavailableError: llama-cpp-python is not installed.
+        ModelNotFoundError: no such alias or file (see :func:`gguf_of`).
+        UnsupportedModelError: recurrent, hybrid or sliding-window models (their KV cache cannot be cropped back
+            after rejected draft tokens).
+        RuntimeError: llama.cpp failed to load the file.
+    """
+    llama_cpp = _llama_cpp()
+    path, name, sha = gguf_of(spec)
+    tok = gguf_tokenizer(path, sha)
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = repack
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    kinds = [k for k, bad in (("recurrent", llama_cpp.llama_model_is_recurrent(model)),
+                              ("hybrid", llama_cpp.llama_model_is_hybrid(model)),
+                              ("sliding-window", llama_cpp.llama_model_n_swa(model) > 0)) if bad]
+    if kinds:
+        llama_cpp.llama_model_free(model)
+        raise UnsupportedModelError(f"{name}: its KV cache cannot be rolled back after rejected draft tokens "
+                                    f"({', '.join(kinds)} layers); models with only full-attention layers are "
+                                    f"supported")
+    n_ctx = min(n_ctx, int(llama_cpp.llama_model_n_ctx_train(model)) or n_ctx)
+    loaded = LlamaCppModel(path, name, sha, tok, n_threads or default_threads(), n_ctx,
+                           _model=model, _vocab=llama_cpp.llama_model_get_vocab(model))
+    weakref.finalize(loaded, llama_cpp.llama_model_free, model)
+    if loaded.vocab_size < len(tok):
+        raise RuntimeError(f"{name}: the GGUF vocabulary ({loaded.vocab_size}) is smaller than its tokenizer's "
+                           f"({len(tok)})")
+    return loaded
+
+
+class _Context:
+    """One llama.cpp context (KV cache for sequence 0) and its reusable batch; owned by one thread."""
+
+    def __init__(self, model: LlamaCppModel):
+        llama_cpp = _llama_cpp()
+        self.lib = llama_cpp
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = model.n_ctx
+        p.n_batch = p.n_ubatch = model.n_batch
+        p.n_seq_max = 1
+        p.n_threads = p.n_threads_batch = model.n_threads
+        p.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(model._model, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {model.n_ctx} positions for {model.name}")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(model.n_batch, 0, 1)
+        self.n_batch = model.n_batch
+        self.vocab_size = model.vocab_size
+        self.length = 0
+        weakref.finalize(self, _free_context, llama_cpp, self.ctx, self.batch)
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+        self.length = 0
+
+    def decode(self, tokens: list[int], num_logits: int) -> np.ndarray:
+        """Append ``tokens`` at positions ``length …``; returns ``float32 [num_logits, V]`` for the last rows."""
+        out = []
+        n = len(tokens)
+        for start in range(0, n, self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            b = self.batch
+            b.n_tokens = len(chunk)
+            first_logit = n - num_logits  # absolute index of the first token whose logits are kept
+            rows = 0
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = self.length + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                want = start + i >= first_logit
+                b.logits[i] = want
+                rows += want
+            rc = self.lib.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} at position {self.length} "
+                                   f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
+            self.length += len(chunk)
+            if rows:
+                ptr = self.lib.llama_get_logits(self.ctx)
+                out.append(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy())
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            if not self.lib.llama_memory_seq_rm(self.mem, 0, length, -1):
+                raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
+            self.length = length
+
+
+def _free_context(lib, ctx, batch) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+
+
+class LlamaCppLM:
+    """KV-cached forwards on a llama.cpp context: the :class:`decoding.model.CausalLM` interface.
+
+    The context holds keys/values for ``self.length`` tokens of one sequence; :meth:`forward` appends, :meth:`crop`
+    removes from the end. Hidden states are not exposed (drafters that need them, the MTP head, need the torch
+    engine).
+    """
+
+    def __init__(self, model: LlamaCppModel, ctx: _Context):
+        self.loaded = model
+        self.ctx = ctx
+        self.device = model.device
+        self.vocab_size = model.vocab_size
+
+    def reset(self) -> None:
+        self.ctx.clear()
+
+    @property
+    def length(self) -> int:
+        """Tokens whose keys/values are in the KV cache."""
+        return self.ctx.length
+
+    def forward(self, tokens: list[int], *, num_logits: int | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, None]:
+        """Run ``tokens`` (``k >= 1`` ids) after the cached ones in one ``llama_decode`` (chunks of ``n_batch``).
+
+        Returns:
+            ``(logits float32 [num_logits, V] (default all k), None)``.
+        Raises:
+            ValueError: ``hidden=True`` (not available from llama.cpp here), or the context would overflow.
+            RuntimeError: ``llama_decode`` failed.
+        """
+        if hidden:
+            raise ValueError("the llama.cpp engine does not expose hidden states; drafters that need them (mtp, "
+                             "lookup_mtp) run on engine='torch'")
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        if self.ctx.length + len(tokens) > self.loaded.n_ctx:
+            raise ValueError(f"{self.ctx.length + len(tokens)} positions do not fit the llama.cpp context "
+                             f"({self.loaded.n_ctx})")
+        n = len(tokens) if num_logits is None else num_logits
+        return torch.from_numpy(self.ctx.decode(tokens, n)), None
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens (``llama_memory_seq_rm``)."""
+        if length > self.ctx.length:
+            raise ValueError(f"cannot crop the KV cache to {length}: it holds {self.ctx.length}")
+        self.ctx.crop(length)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: ``llama_decode`` on the CPU returns when its logits are ready."""
+
+
+def default_threads() -> int:
+    """Threads for llama.cpp: ``OMP_NUM_THREADS`` when set, else the CPUs this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env and env.isdigit() else len(os.sched_getaffinity(0))

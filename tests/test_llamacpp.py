@@ -1,0 +1,141 @@
+"""The llama.cpp engine (decoding/llamacpp.py) on the real SmolLM2-135M GGUF (marked ``model``).
+
+llama-cpp-python is installed by ``make setup`` (``make setup-llamacpp``), so these tests run in ``make test``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent import Agent
+from agent.bfcl import load_questions
+from agent.format import parse_turn, render_prompt, turn_grammar
+from decoding import Generator, LlamaCppModel, ModelNotFoundError, SamplingParams, load_llamacpp
+from schemas.bfcl import tool_from_bfcl
+
+from test_model import BFCL_FIXTURE
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def cpp() -> LlamaCppModel:
+    return load_llamacpp("smollm2", n_threads=2, n_ctx=2048)
+
+
+@pytest.fixture(scope="module")
+def gen(cpp):
+    return Generator(cpp)
+
+
+@pytest.fixture(scope="module")
+def questions():
+    return load_questions("simple_python", BFCL_FIXTURE, limit=10)
+
+
+def _decode(gen, row, drafter, **kw):
+    tools = [tool_from_bfcl(fn) for fn in row["function"]]
+    ids = render_prompt(gen.tokenizer, [m for turn in row["question"] for m in turn], tools)
+    grammar = turn_grammar(tools, "required", parallel=False, max_string_length=200, max_decimals=8)
+    return tools, gen.generate(ids, grammar, drafter=drafter, max_new_tokens=256, **kw)
+
+
+@pytest.fixture(scope="module")
+def references(gen, questions):
+    return {row["id"]: _decode(gen, row, "none")[1] for row in questions}
+
+
+def test_engine_is_llamacpp_with_the_gguf_vocabulary(gen, cpp):
+    assert gen.engine == "llamacpp"
+    assert cpp.vocab_size == 49152 and cpp.eos_token_id == gen.tokenizer.eos_token_id
+    text = 'get_weather(city="Zürich", days=3)\n'
+    ids = gen.tokenizer.encode(text, add_special_tokens=False)
+    assert gen.llg_tokenizer.tokenize_str(text) == ids  # llguidance (from the GGUF) and HF agree on the ids
+
+
+def test_crop_then_forward_gives_the_logits_of_a_fresh_cache(cpp):
+    lm = cpp.new_lm()
+    lm.reset()
+    prompt = list(range(100, 140))
+    lm.forward(prompt, num_logits=1)
+    first, _ = lm.forward([7, 8, 9, 10])
+    assert first.shape == (4, cpp.vocab_size) and first.dtype == torch.float32 and lm.length == 44
+    lm.crop(41)  # keep one of the four: a rejected draft of three
+    assert lm.length == 41
+    again, _ = lm.forward([8, 9, 10])
+    assert torch.equal(again, first[1:])  # same rows, same batch shape: bit-identical
+    lm.reset()
+    fresh, _ = lm.forward(prompt + [7, 8, 9, 10], num_logits=3)
+    assert torch.allclose(fresh, first[1:], atol=1e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="cannot crop"):
+        lm.crop(lm.length + 1)
+
+
+def test_bfcl_calls_parse_and_validate(gen, questions, references):
+    for row in questions:
+        res = references[row["id"]]
+        assert not res.truncated, row["id"]
+        calls, _ = parse_turn(res.text)
+        tools = {fn["name"]: tool_from_bfcl(fn) for fn in row["function"]}
+        assert len(calls) == 1
+        tools[calls[0]["name"]].make_call(calls[0]["arguments"])  # raises if invalid
+
+
+@pytest.mark.parametrize("drafter", ["forced", "schema", "lookup"])
+def test_speculative_greedy_is_token_identical_to_one_token_per_forward(gen, questions, references, drafter):
+    fewer = 0
+    for row in questions:
+        ref = references[row["id"]]
+        _, spec = _decode(gen, row, drafter)
+        assert spec.tokens == ref.tokens, (row["id"], ref.text, spec.text)
+        fewer += spec.stats.target_forwards < ref.stats.target_forwards
+    assert fewer == len(questions)
+
+
+def test_sampled_speculative_output_validates(gen, questions):
+    for row in questions[:3]:
+        tools, res = _decode(gen, row, "lookup", sampling=SamplingParams(temperature=0.8, seed=1))
+        if res.truncated:
+            continue
+        calls, _ = parse_turn(res.text)
+        tool = {t.name: t for t in tools}[calls[0]["name"]]
+        tool.make_call(calls[0]["arguments"])
+
+
+def test_agent_runs_tools_on_the_llamacpp_engine(cpp):
+    from agent.demo_tools import TOOLS
+
+    agent = Agent(Generator(cpp), TOOLS, max_steps=2)
+    res = agent.run("What's the weather like in Tokyo right now?", tool_choice="required", max_new_tokens=96)
+    assert res.tool_calls and res.tool_calls[0].call.name == "get_weather"
+    assert res.tool_calls[0].result["city"].lower() == "tokyo"
+    assert res.final_answer
+    factory, args, kwargs = agent.engine.spec()  # rebuilt from the GGUF path (ctypes handles do not pickle)
+    assert kwargs["engine"] == "llamacpp" and args[0].endswith(".gguf")
+
+
+def test_drafters_that_need_torch_weights_are_refused_with_a_clear_error(cpp):
+    with pytest.raises(ValueError, match="mtp drafter needs the target's torch weights"):
+        Generator(cpp, drafter="mtp")
+    gen = Generator(cpp)
+    with pytest.raises(ValueError, match="lookup_mtp|mtp drafter"):
+        gen.generate([1, 2, 3], turn_grammar([], "none", parallel=False), drafter="lookup_mtp")
+    with pytest.raises(ValueError, match="hidden states"):
+        cpp.new_lm().forward([1], hidden=True)
+
+
+def test_bad_engine_arguments_are_refused():
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        Generator("smollm2", engine="vllm")
+    with pytest.raises(ValueError, match="device='cuda'"):
+        Generator("smollm2", engine="llamacpp", device="cuda")
+    with pytest.raises(ModelNotFoundError, match="loads GGUF files"):
+        load_llamacpp("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def test_prompt_longer_than_the_context_is_refused(cpp):
+    from decoding import ContextLengthError
+
+    gen = Generator(cpp)
+    with pytest.raises(ContextLengthError, match="2048"):
+        gen.generate([1] * 2048, turn_grammar([], "none", parallel=False), max_new_tokens=4)
