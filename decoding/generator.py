@@ -22,7 +22,7 @@ from schemas.errors import SpecAgentError
 from .decoder import decode
 from .drafters import Drafter
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
-from .model import CausalLM
+from .model import CausalLM, check_cache
 from .mtp import load_head
 from . import registry
 from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, check_drafter
@@ -47,16 +47,19 @@ class Generator:
         adaptive: adapt γ online from acceptance.
         draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
         device, dtype: used when ``model`` is a spec.
+        kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``);
+            None: static on CUDA, dynamic elsewhere.
     """
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
-                 device: str = "cpu", dtype: str = "float32"):
+                 device: str = "cpu", dtype: str = "float32", kv_cache: str | None = None):
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
         check_drafter(drafter)
         self.drafter = drafter
+        self.kv_cache = check_cache(kv_cache)
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         self._draft_spec = draft_model
@@ -125,7 +128,7 @@ class Generator:
             max_new_tokens = min(max_new_tokens, limit - len(prompt))
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = drafter or self.drafter
-        target = CausalLM(self.loaded)
+        target = CausalLM(self.loaded, cache=self.kv_cache)
         on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
         if mode == "none":
             result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -18,6 +18,17 @@ CACHES = ("dynamic", "static")
 _STATIC_MIN_CAPACITY = 256  # tokens; the static cache's capacity is a multiple of this and grows by doubling
 
 
+def check_cache(cache: str | None) -> str | None:
+    """``cache`` if it names a KV cache (or is None: the device's default).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if cache is not None and cache not in CACHES:
+        raise ValueError(f"unknown KV cache {cache!r}; use one of {list(CACHES)}")
+    return cache
+
+
 def default_cache(device: torch.device | str) -> str:
     """The KV cache for a device: ``"static"`` on CUDA, ``"dynamic"`` elsewhere."""
     return "static" if torch.device(device).type == "cuda" else "dynamic"
@@ -42,9 +53,7 @@ class CausalLM:
     """
 
     def __init__(self, loaded: LoadedModel, *, cache: str | None = None, max_length: int | None = None):
-        cache = default_cache(loaded.device) if cache is None else cache
-        if cache not in CACHES:
-            raise ValueError(f"unknown KV cache {cache!r}; use one of {list(CACHES)}")
+        cache = default_cache(loaded.device) if check_cache(cache) is None else cache
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device

@@ -131,9 +131,10 @@ def test_budget_is_never_exceeded(tiny_target):
         assert spec.truncated == ref.truncated
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target, data):
+def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target, cache, data):
     tok = tiny_target.tokenizer
     llt = llg_tokenizer(tok, tiny_target.vocab_size)
     schema = SCHEMAS[data.draw(st.integers(0, len(SCHEMAS) - 1))]
@@ -144,7 +145,7 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
     pool = ref.tokens + tok.encode('{"k0_str": 1} true , ]', add_special_tokens=False) + [tok.eos_token_id]
     script = data.draw(st.lists(st.sampled_from(pool), min_size=0, max_size=60))
     state = ConstraintState(llt, grammar)
-    target = CausalLM(tiny_target)
+    target = CausalLM(tiny_target, cache=cache)
 
     def check(tokens):
         fresh = ConstraintState(llt, grammar)
@@ -152,12 +153,13 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
         assert state.num_tokens == len(tokens)
         assert torch.equal(state.next_mask(), fresh.next_mask())
         assert state.is_accepting() == fresh.is_accepting()
-        rebuilt = CausalLM(tiny_target)
+        rebuilt = CausalLM(tiny_target, cache="dynamic")
         rebuilt.forward(prompt + tokens[:-1])
-        assert target.length == rebuilt.length == len(prompt) + len(tokens) - 1
-        for layer_a, layer_b in zip(target.cache.layers, rebuilt.cache.layers):
-            torch.testing.assert_close(layer_a.keys, layer_b.keys, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(layer_a.values, layer_b.values, atol=1e-4, rtol=1e-4)
+        n = len(prompt) + len(tokens) - 1
+        assert target.length == rebuilt.length == n
+        for layer_a, layer_b in zip(target.cache.layers, rebuilt.cache.layers):  # a static cache: its first n
+            torch.testing.assert_close(layer_a.keys[:, :, :n], layer_b.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer_a.values[:, :, :n], layer_b.values, atol=1e-4, rtol=1e-4)
 
     spec = speculative_decode(target, prompt, state, ScriptedDrafter(len(prompt), script), num_draft_tokens=gamma,
                               max_new_tokens=40, on_step=check)
