@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections import Counter
 
 import jsonschema
 import pytest
@@ -12,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer, regex_grammar
-from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SamplingParams,
-                      SchemaDrafter, decode, speculative_decode)
+from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer
+from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter, decode,
+                      speculative_decode)
 
-from helpers import PROMPTS, FixedDrafter, char_model, exact_distribution, loaded_model, random_schema
+from helpers import PROMPTS, random_schema, speculative_sampling_tv
 
 SCHEMAS = [random_schema(random.Random(s)) for s in range(5)]
 FREE_TEXT_THEN_CALL = lark_grammar('start: /[a-z ]{0,12}/ "<tool_call>" '
@@ -169,27 +168,5 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
 # -- sampling: exact distribution of constrained sampling vs speculative samples -----------------------------------
 @pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
 def test_speculative_sampling_matches_constrained_sampling_distribution(char_tokenizer, drafter_kind):
-    tok, llt = char_tokenizer
-    vocab = len(tok.tokens)
-    target = loaded_model(char_model(vocab, 11), "t")
-    draft = loaded_model(char_model(vocab, 12), "d")
-    grammar = regex_grammar("[ab]{2,3}")
-    prompt = tok("ab:")
-    exact = exact_distribution(target.model, llt, grammar, prompt, SamplingParams(temperature=1.0))
-    assert abs(sum(exact.values()) - 1) < 1e-5 and max(exact.values()) < 0.6  # a non-degenerate test
-    n = 1500
-    counts = Counter()
-    for seed in range(n):
-        sampling = SamplingParams(temperature=1.0, seed=seed)
-        state = ConstraintState(llt, grammar)
-        if drafter_kind == "none":
-            res = decode(CausalLM(target), prompt, state, max_new_tokens=4, sampling=sampling)
-        else:
-            drafter = DraftModelDrafter(CausalLM(draft)) if drafter_kind == "draft_model" else FixedDrafter(tok("a")[0])
-            res = speculative_decode(CausalLM(target), prompt, state, drafter, num_draft_tokens=3, max_new_tokens=4,
-                                     sampling=sampling)
-        counts[tuple(res.tokens)] += 1
-    keys = set(exact) | set(counts)
-    tv = 0.5 * sum(abs(exact.get(k, 0.0) - counts[k] / n) for k in keys)
-    # expected TV for ~this many outcomes at n=1500 is ~0.03; a wrong acceptance or residual rule gives > 0.1
-    assert tv < 0.07, (tv, sorted(exact.items(), key=lambda kv: -kv[1])[:5], counts.most_common(5))
+    tv = speculative_sampling_tv(char_tokenizer, drafter_kind)
+    assert tv < 0.07, tv  # expected ~0.03 at n=1500; a wrong acceptance or residual rule gives > 0.1
