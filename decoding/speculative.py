@@ -164,7 +164,7 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
         q[with_q] = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])
     draft_q = q[steps, draft_tokens]  # q(d) [k]
     one_hot = ~(draft_q > 0.0)  # no q, or q(d) = 0 (or NaN): verify as deterministic
-    q[one_hot] = 0.0
+    q.masked_fill_(one_hot[:, None], 0.0)  # (not q[one_hot] = 0: boolean indexing syncs with the device)
     q[steps, draft_tokens] = torch.where(one_hot, 1.0, draft_q)
     accept_prob = (p[steps, draft_tokens] / q[steps, draft_tokens]).clamp_max(1.0)
     uniforms = torch.rand(k, generator=generator, device=generator.device).to(device)
