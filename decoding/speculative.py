@@ -158,24 +158,31 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
     device = p.device
     draft_tokens = torch.tensor(draft.tokens, device=device)
     steps = torch.arange(k, device=device)
-    q = torch.zeros(k, vocab, device=device)  # rows without a q (deterministic / forced) stay zero: one-hot below
+    p_draft = p[steps, draft_tokens]  # p(d) [k]
     with_q = [j for j, qj in enumerate(draft.q) if qj is not None]
+    raw_q = torch.zeros(k, device=device)  # q(d) [k]; 0 where there is no q
     if with_q:
-        q[with_q] = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])
-    draft_q = q[steps, draft_tokens]  # q(d) [k]
-    one_hot = ~(draft_q > 0.0)  # no q, or q(d) = 0 (or NaN): verify as deterministic
-    q.masked_fill_(one_hot[:, None], 0.0)  # (not q[one_hot] = 0: boolean indexing syncs with the device)
-    q[steps, draft_tokens] = torch.where(one_hot, 1.0, draft_q)
-    accept_prob = (p[steps, draft_tokens] / q[steps, draft_tokens]).clamp_max(1.0)
+        qs = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])  # [m, V]
+        raw_q[with_q] = qs[torch.arange(len(with_q), device=device), draft_tokens[with_q]]
+        q_of = torch.zeros(k, dtype=torch.long)  # the row of `qs` holding draft j's q
+        q_of[with_q] = torch.arange(len(with_q))
+        q_of = q_of.to(device)
+    one_hot = ~(raw_q > 0.0)  # no q, or q(d) = 0 (or NaN): verified as deterministic, q = one-hot(d)
+    draft_q = torch.where(one_hot, 1.0, raw_q)
+    accept_prob = (p_draft / draft_q).clamp_max(1.0)
     uniforms = torch.rand(k, generator=generator, device=generator.device).to(device)
     forced = torch.tensor(draft.forced, device=device)
     rejected = ~(forced | (uniforms < accept_prob))
     num_accepted = torch.where(rejected.any(), rejected.int().argmax(), k)  # first rejection, or k
     # the bonus: from the residual norm(max(0, p − q)) at row n (p itself if that is empty), or from p at row k
     at = num_accepted.clamp(max=k - 1)
-    residual = (p[:k].index_select(0, at) - q.index_select(0, at)).clamp_min(0.0)[0]
+    p_at = p.index_select(0, at)[0]
+    residual = p_at.index_fill(0, draft_tokens.index_select(0, at), 0.0)  # max(0, p − one-hot(d)): d zeroed
+    if with_q:
+        with_draft_q = (p_at - qs.index_select(0, q_of.index_select(0, at))[0]).clamp_min(0.0)
+        residual = torch.where(one_hot.index_select(0, at), residual, with_draft_q)
     total = residual.sum()
-    residual = torch.where(total > 0.0, residual / total.clamp_min(1e-30), p[:k].index_select(0, at)[0])
+    residual = torch.where(total > 0.0, residual / total.clamp_min(1e-30), p_at)
     p_next = p.index_select(0, num_accepted.clamp(max=rows - 1))[0]
     dist = torch.where(num_accepted < k, residual, p_next)
     bonus = torch.multinomial(dist.to(generator.device), 1, generator=generator)[0].to(device)
