@@ -5,9 +5,12 @@ The layout is llguidance's (``llguidance.torch.allocate_token_bitmask``); applyi
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_SHIFTS = {torch.device("cpu"): torch.arange(32, dtype=torch.int32)}  # bit positions, one constant per device
+_STAGING = threading.local()  # per thread and CUDA device: (pinned int32 buffer, event of its last copy)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -17,8 +20,41 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``bool [rows, vocab_size]`` from an ``int32 [rows, W]`` bitmask (True = allowed)."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
+    bits = (bitmask.unsqueeze(-1) >> _shifts(bitmask.device)) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """``int32 [32]`` bit positions on ``device`` (uploaded once per device)."""
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS.setdefault(device, _SHIFTS[torch.device("cpu")].to(device))
+    return shifts
+
+
+def to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``bitmask`` on ``device``; a CPU mask bound for CUDA is copied through a pinned (page-locked) buffer, so
+    the upload is one asynchronous DMA instead of a pageable copy. The buffer is reused: before it is
+    overwritten, the previous upload from it is waited for (a CUDA event)."""
+    if bitmask.device == device or device.type != "cuda" or bitmask.device.type != "cpu":
+        return bitmask.to(device)
+    key = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    staging = getattr(_STAGING, "buffers", None)
+    if staging is None:
+        staging = _STAGING.buffers = {}
+    buffer, done = staging.get(key, (None, None))
+    if buffer is None or buffer.numel() < bitmask.numel():
+        buffer = torch.empty(max(bitmask.numel(), 4096), dtype=torch.int32).pin_memory()
+        done = None
+    if done is not None:
+        done.synchronize()
+    staged = buffer[: bitmask.numel()].view(bitmask.shape)
+    staged.copy_(bitmask)
+    out = staged.to(device, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(key))
+    staging[key] = (buffer, done)
+    return out
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -26,10 +62,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
     Args:
         logits: ``float [rows, V]`` (any device). Columns past ``32 * W`` are disallowed.
-        bitmask: ``int32 [rows, W]`` on CPU or the logits' device.
+        bitmask: ``int32 [rows, W]`` on CPU or the logits' device (a CPU mask goes to CUDA through a pinned
+            buffer, :func:`to_device`).
     """
     rows, vocab = logits.shape
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), min(vocab, bitmask.shape[1] * 32))
+    allowed = unpack_bitmask(to_device(bitmask, logits.device), min(vocab, bitmask.shape[1] * 32))
     if allowed.shape[1] < vocab:
         logits[:, allowed.shape[1]:] = float("-inf")
         logits = logits[:, : allowed.shape[1]]

@@ -29,6 +29,7 @@ def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats, *, hidden: 
     h = None
     if len(prompt) > 1:
         _, h = target.forward(prompt[:-1], num_logits=1, hidden=hidden)
+    target.synchronize()  # CUDA runs asynchronously: time the prefill, not its launch
     stats.prompt_tokens += len(prompt)
     stats.prefill_seconds += time.perf_counter() - t0
     return (prompt[-1], h) if hidden else prompt[-1]
@@ -81,8 +82,9 @@ def start_decode(target: CausalLM, prompt: list[int], state: ConstraintState, sa
 
 
 def finish_decode(setup: DecodeSetup, tokens: list[int], stop: str, state: ConstraintState,
-                  tokenizer=None) -> DecodeResult:
-    """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`.
+                  tokenizer=None, target: CausalLM | None = None) -> DecodeResult:
+    """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`
+    (``target.synchronize()`` first, so the whole decode's time includes the device's queued work).
 
     A decode that reached the budget on the token that completed the grammar stops with ``"grammar"``, not
     ``"length"``: nothing was cut.
@@ -92,6 +94,8 @@ def finish_decode(setup: DecodeSetup, tokens: list[int], stop: str, state: Const
     stats = setup.stats
     stats.new_tokens = len(tokens)
     stats.mask_seconds = state.mask_seconds - setup.mask_start
+    if target is not None:
+        target.synchronize()
     stats.seconds = time.perf_counter() - setup.t_start
     return DecodeResult(tokens, detokenize(tokens, state, tokenizer), stop, stats)
 
@@ -128,6 +132,7 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
     while len(tokens) < max_new_tokens and not state.is_stopped():  # finish_decode: stopped grammar → "grammar"
         t0 = time.perf_counter()
         logits, _ = target.forward([cur])
+        target.synchronize()
         stats.target_forwards += 1
         stats.verify_seconds += time.perf_counter() - t0
         state.fill_bitmask(run.bitmask, 0)
@@ -140,4 +145,4 @@ def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_n
         cur = tok
         if on_step is not None:
             on_step(tokens)
-    return finish_decode(run, tokens, stop, state, tokenizer)
+    return finish_decode(run, tokens, stop, state, tokenizer, target)

@@ -23,7 +23,7 @@ from .decoder import decode
 from .drafters import Drafter
 from .llamacpp import LlamaCppModel, load_llamacpp
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
-from .model import CausalLM
+from .model import CausalLM, check_cache
 from .mtp import load_head
 from . import registry
 from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, check_drafter
@@ -51,6 +51,8 @@ class Generator:
         adaptive: adapt γ online from acceptance.
         draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
         device, dtype: used when ``model`` is a spec (torch engine).
+        kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``, torch
+            engine); None: static on CUDA, dynamic elsewhere.
         engine: ``"torch"`` (transformers, fp32/bf16 weights, CPU or CUDA) or ``"llamacpp"`` (llama.cpp's CPU
             kernels on the GGUF as shipped, ``decoding/llamacpp.py``), used when ``model`` is a spec; a
             :class:`decoding.llamacpp.LlamaCppModel` selects ``llamacpp``.
@@ -63,7 +65,8 @@ class Generator:
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
-                 device: str = "cpu", dtype: str = "float32", engine: str = "torch", threads: int | None = None):
+                 device: str = "cpu", dtype: str = "float32", engine: str = "torch", threads: int | None = None,
+                 kv_cache: str | None = None):
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         if isinstance(model, (LoadedModel, LlamaCppModel)):
@@ -85,6 +88,7 @@ class Generator:
         if drafter in TORCH_DRAFTERS:
             self._need_torch(drafter)
         self.drafter = drafter
+        self.kv_cache = check_cache(kv_cache)
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         self._draft_spec = draft_model
@@ -135,7 +139,7 @@ class Generator:
         :class:`decoding.llamacpp.LlamaCppLM`) for one decode."""
         if self.engine == "llamacpp":
             return self.loaded.new_lm()
-        return CausalLM(self.loaded)
+        return CausalLM(self.loaded, cache=self.kv_cache)
 
     def make_drafter(self, name: str) -> Drafter | None:
         """A fresh drafter for mode ``name`` from :data:`decoding.registry.DRAFTERS` (None for ``none`` /

@@ -219,9 +219,10 @@ class MTPDrafter(Drafter):
         allowed = allowed_tokens(bitmask_row, self.head.target.config.vocab_size)
         if 0 < allowed.numel() <= self.sparse_limit:
             self.sparse_calls += 1
-            logits = self.head.logits(g, allowed.to(device)).float()
+            allowed = allowed.to(device)
+            logits = self.head.logits(g, allowed).float()
             if sampling.greedy:
-                return int(allowed[int(torch.argmax(logits))]), None
+                return int(allowed[torch.argmax(logits)]), None
             masked = torch.full((1, self.head.target.config.vocab_size), float("-inf"), device=device)
             masked[0, allowed] = logits
         else:

@@ -25,7 +25,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "forced": lambda gen: None,
     "schema": lambda gen: SchemaDrafter(),
     "lookup": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]),
-    "draft_model": lambda gen: ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(gen.draft_model()))]),
+    "draft_model": lambda gen: ChainDrafter([SchemaDrafter(),
+                                             DraftModelDrafter(CausalLM(gen.draft_model(), cache=gen.kv_cache))]),
     # forced tokens are free; the head drafts the rest
     "mtp": lambda gen: MTPDrafter(gen.mtp_head()),
     "lookup_mtp": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(gen.mtp_head())]),

@@ -36,6 +36,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The run's generator on ``device`` (the target's: every draw of the run is made there)."""
         g = torch.Generator(device=device)
         if self.seed is None:
             g.seed()
@@ -63,8 +64,9 @@ def probs_from_logits(masked_logits: torch.Tensor, params: SamplingParams) -> to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from ``float32 [V]`` probabilities."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from ``float32 [V]`` probabilities, on the generator's device (a CUDA generator cannot
+    draw for CPU tensors, nor a CPU generator for CUDA ones)."""
+    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
 
 
 def pick(masked_logits: torch.Tensor, params: SamplingParams,

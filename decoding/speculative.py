@@ -136,34 +136,60 @@ def accept_greedy(masked: torch.Tensor, draft: Draft) -> tuple[int, int | None]:
 
 def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
                    generator: torch.Generator) -> tuple[int, int | None]:
-    """Speculative sampling on masked, renormalised p (target) and q (draft).
+    """Speculative sampling on masked, renormalised p (target) and q (draft), vectorised over the window.
 
     Leviathan et al. 2023, Alg. 1: accept ``d`` with probability ``min(1, p(d)/q(d))``; at the first rejection
     the bonus is drawn from ``norm(max(0, p − q))``; if all are accepted, from ``p`` at row k. A proposal with
-    ``q(d) = 0`` (or no q) is verified as a deterministic one (one-hot q), which is exact for any proposal.
+    ``q(d) = 0`` (or no q) is verified as a deterministic one (one-hot q), which is exact for any proposal;
+    schema-forced tokens are always accepted (``p(d) = 1``).
+
+    Args:
+        masked: masked target logits ``float [rows, V]`` on the device.
+        generator: the run's generator; every draw (``k`` uniforms, then one token) is made on its device.
+    Returns:
+        ``(num_accepted, bonus token or None)``; one host sync per window.
     """
     p = probs_from_logits(masked, sampling)
-    for j, d in enumerate(draft.tokens):
-        if draft.forced[j]:
-            continue  # p(d) = 1: the mask allows only d
-        q = draft.q[j]
-        if q is not None and not float(q[d]) > 0.0:
-            q = None  # a drafter that proposes d with q(d) = 0 is treated as deterministic (one-hot q): still exact
-        pd = float(p[j, d])
-        qd = 1.0 if q is None else float(q[d])
-        if float(torch.rand((), generator=generator)) < min(1.0, pd / qd):
-            continue
-        if q is None:
-            residual = p[j].clone()
-            residual[d] = 0.0
-        else:
-            residual = (p[j] - _fit(q, p.shape[-1]).to(p.device)).clamp_min(0.0)
-        total = float(residual.sum())
-        residual = p[j] if total <= 0.0 else residual / total
-        return j, sample(residual, generator)
-    n = len(draft.tokens)
-    bonus = sample(p[n], generator) if n < p.shape[0] and n < draft.rows else None
-    return n, bonus
+    rows, vocab = p.shape
+    k = len(draft.tokens)
+    bonus_row = k < rows and k < draft.rows  # row k exists: a bonus follows a fully accepted window
+    if k == 0:
+        return 0, (sample(p[0], generator) if bonus_row else None)
+    device = p.device
+    draft_tokens = torch.tensor(draft.tokens, device=device)
+    steps = torch.arange(k, device=device)
+    p_draft = p[steps, draft_tokens]  # p(d) [k]
+    with_q = [j for j, qj in enumerate(draft.q) if qj is not None]
+    raw_q = torch.zeros(k, device=device)  # q(d) [k]; 0 where there is no q
+    if with_q:
+        qs = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])  # [m, V]
+        raw_q[with_q] = qs[torch.arange(len(with_q), device=device), draft_tokens[with_q]]
+        q_of = torch.zeros(k, dtype=torch.long)  # the row of `qs` holding draft j's q
+        q_of[with_q] = torch.arange(len(with_q))
+        q_of = q_of.to(device)
+    one_hot = ~(raw_q > 0.0)  # no q, or q(d) = 0 (or NaN): verified as deterministic, q = one-hot(d)
+    draft_q = torch.where(one_hot, 1.0, raw_q)
+    accept_prob = (p_draft / draft_q).clamp_max(1.0)
+    uniforms = torch.rand(k, generator=generator, device=generator.device).to(device)
+    forced = torch.tensor(draft.forced, device=device)
+    rejected = ~(forced | (uniforms < accept_prob))
+    num_accepted = torch.where(rejected.any(), rejected.int().argmax(), k)  # first rejection, or k
+    # the bonus: from the residual norm(max(0, p − q)) at row n (p itself if that is empty), or from p at row k
+    at = num_accepted.clamp(max=k - 1)
+    p_at = p.index_select(0, at)[0]
+    residual = p_at.index_fill(0, draft_tokens.index_select(0, at), 0.0)  # max(0, p − one-hot(d)): d zeroed
+    if with_q:
+        with_draft_q = (p_at - qs.index_select(0, q_of.index_select(0, at))[0]).clamp_min(0.0)
+        residual = torch.where(one_hot.index_select(0, at), residual, with_draft_q)
+    total = residual.sum()
+    residual = torch.where(total > 0.0, residual / total.clamp_min(1e-30), p_at)
+    p_next = p.index_select(0, num_accepted.clamp(max=rows - 1))[0]
+    dist = torch.where(num_accepted < k, residual, p_next)
+    bonus = torch.multinomial(dist.to(generator.device), 1, generator=generator)[0].to(device)
+    n, token = torch.stack([num_accepted, bonus]).tolist()  # the one host sync
+    if n == k and not bonus_row:
+        return n, None
+    return n, token
 
 
 def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
@@ -240,12 +266,14 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         budget = max_new_tokens - len(tokens)
         draft = draft_window(state, drafter, seq, run.bitmask, gamma, min(max_window, budget - 1), sampling, gen,
                              run.eos)
+        target.synchronize()  # a draft model's forwards run on the device too
         t1 = time.perf_counter()
         stats.draft_seconds += t1 - t0
         base = target.length
         target_logits, hidden = verify(target, cur, draft, run.bitmask, hidden=needs_hidden)
         stats.target_forwards += 1
         num_accepted, bonus = accept(target_logits, draft, sampling, gen)
+        target.synchronize()  # CUDA runs asynchronously: time the verify, not its launch
         stats.verify_seconds += time.perf_counter() - t1
         num_drafted, num_model_accepted = stats.record_window(draft.forced, num_accepted)
         if adaptive and num_drafted:
@@ -265,4 +293,4 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
     if on_step is not None and len(tokens) > reported:  # the final window (ended by the grammar or EOS)
         target.crop(min(target.length, len(prompt) + len(tokens) - 1))  # as after every step: all but the last
         on_step(tokens)
-    return finish_decode(run, tokens, stop, state, tokenizer)
+    return finish_decode(run, tokens, stop, state, tokenizer, target)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections import Counter
 
 import jsonschema
 import pytest
@@ -12,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer, regex_grammar
-from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SamplingParams,
-                      SchemaDrafter, decode, speculative_decode)
+from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer
+from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter, decode,
+                      speculative_decode)
 
-from helpers import PROMPTS, FixedDrafter, char_model, exact_distribution, loaded_model, random_schema
+from helpers import PROMPTS, random_schema, speculative_sampling_tv
 
 SCHEMAS = [random_schema(random.Random(s)) for s in range(5)]
 FREE_TEXT_THEN_CALL = lark_grammar('start: /[a-z ]{0,12}/ "<tool_call>" '
@@ -131,9 +130,10 @@ def test_budget_is_never_exceeded(tiny_target):
         assert spec.truncated == ref.truncated
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target, data):
+def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target, cache, data):
     tok = tiny_target.tokenizer
     llt = llg_tokenizer(tok, tiny_target.vocab_size)
     schema = SCHEMAS[data.draw(st.integers(0, len(SCHEMAS) - 1))]
@@ -144,7 +144,7 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
     pool = ref.tokens + tok.encode('{"k0_str": 1} true , ]', add_special_tokens=False) + [tok.eos_token_id]
     script = data.draw(st.lists(st.sampled_from(pool), min_size=0, max_size=60))
     state = ConstraintState(llt, grammar)
-    target = CausalLM(tiny_target)
+    target = CausalLM(tiny_target, cache=cache)
 
     def check(tokens):
         fresh = ConstraintState(llt, grammar)
@@ -152,12 +152,13 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
         assert state.num_tokens == len(tokens)
         assert torch.equal(state.next_mask(), fresh.next_mask())
         assert state.is_accepting() == fresh.is_accepting()
-        rebuilt = CausalLM(tiny_target)
+        rebuilt = CausalLM(tiny_target, cache="dynamic")
         rebuilt.forward(prompt + tokens[:-1])
-        assert target.length == rebuilt.length == len(prompt) + len(tokens) - 1
-        for layer_a, layer_b in zip(target.cache.layers, rebuilt.cache.layers):
-            torch.testing.assert_close(layer_a.keys, layer_b.keys, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(layer_a.values, layer_b.values, atol=1e-4, rtol=1e-4)
+        n = len(prompt) + len(tokens) - 1
+        assert target.length == rebuilt.length == n
+        for layer_a, layer_b in zip(target.cache.layers, rebuilt.cache.layers):  # a static cache: its first n
+            torch.testing.assert_close(layer_a.keys[:, :, :n], layer_b.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer_a.values[:, :, :n], layer_b.values, atol=1e-4, rtol=1e-4)
 
     spec = speculative_decode(target, prompt, state, ScriptedDrafter(len(prompt), script), num_draft_tokens=gamma,
                               max_new_tokens=40, on_step=check)
@@ -167,27 +168,5 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
 # -- sampling: exact distribution of constrained sampling vs speculative samples -----------------------------------
 @pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
 def test_speculative_sampling_matches_constrained_sampling_distribution(char_tokenizer, drafter_kind):
-    tok, llt = char_tokenizer
-    vocab = len(tok.tokens)
-    target = loaded_model(char_model(vocab, 11), "t")
-    draft = loaded_model(char_model(vocab, 12), "d")
-    grammar = regex_grammar("[ab]{2,3}")
-    prompt = tok("ab:")
-    exact = exact_distribution(target.model, llt, grammar, prompt, SamplingParams(temperature=1.0))
-    assert abs(sum(exact.values()) - 1) < 1e-5 and max(exact.values()) < 0.6  # a non-degenerate test
-    n = 1500
-    counts = Counter()
-    for seed in range(n):
-        sampling = SamplingParams(temperature=1.0, seed=seed)
-        state = ConstraintState(llt, grammar)
-        if drafter_kind == "none":
-            res = decode(CausalLM(target), prompt, state, max_new_tokens=4, sampling=sampling)
-        else:
-            drafter = DraftModelDrafter(CausalLM(draft)) if drafter_kind == "draft_model" else FixedDrafter(tok("a")[0])
-            res = speculative_decode(CausalLM(target), prompt, state, drafter, num_draft_tokens=3, max_new_tokens=4,
-                                     sampling=sampling)
-        counts[tuple(res.tokens)] += 1
-    keys = set(exact) | set(counts)
-    tv = 0.5 * sum(abs(exact.get(k, 0.0) - counts[k] / n) for k in keys)
-    # expected TV for ~this many outcomes at n=1500 is ~0.03; a wrong acceptance or residual rule gives > 0.1
-    assert tv < 0.07, (tv, sorted(exact.items(), key=lambda kv: -kv[1])[:5], counts.most_common(5))
+    tv = speculative_sampling_tv(char_tokenizer, drafter_kind)
+    assert tv < 0.07, tv  # expected ~0.03 at n=1500; a wrong acceptance or residual rule gives > 0.1
