@@ -50,7 +50,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="torch: transformers (fp32/bf16, CPU or CUDA); llamacpp: llama.cpp's CPU kernels on the GGUF "
                         "as shipped (needs `make setup-llamacpp`)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of the llama.cpp engine (default: OMP_NUM_THREADS or every CPU this process may use)")
+                   help="CPU threads of the llama.cpp engine (default 1: bit-identical verify rows, so greedy "
+                        "speculative output equals one token per forward; more threads are faster but may flip near-ties)")
     p.add_argument("--device", default="cpu", help="torch engine: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch engine: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .modes import BASELINE, is_valid
+from .modes import BASELINE, baseline_of, is_valid
 
 if TYPE_CHECKING:
     from .run import BenchResult
@@ -125,7 +125,7 @@ def write_outputs(out_dir: Path, res: BenchResult, meta: dict) -> None:
         for m, by_prompt in res.runs.items():
             for p in res.prompts:
                 rs = by_prompt[p.id]
-                base = res.runs[BASELINE][p.id][0].tokens
+                base = res.runs[baseline_of(m)][p.id][0].tokens
                 f.write(json.dumps({
                     "mode": m, "id": p.id, "prompt_tokens": len(p.ids), "tokens": len(rs[0].tokens),
                     "tokens_per_s": [round(r.tokens_per_s, 3) for r in rs], "truncated": rs[0].truncated,

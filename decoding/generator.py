@@ -56,7 +56,8 @@ class Generator:
         engine: ``"torch"`` (transformers, fp32/bf16 weights, CPU or CUDA) or ``"llamacpp"`` (llama.cpp's CPU
             kernels on the GGUF as shipped, ``decoding/llamacpp.py``), used when ``model`` is a spec; a
             :class:`decoding.llamacpp.LlamaCppModel` selects ``llamacpp``.
-        threads: CPU threads of the llama.cpp engine (default: ``OMP_NUM_THREADS`` or the CPUs this process may use).
+        threads: CPU threads of the llama.cpp engine (default 1: the batch-invariant setting that keeps greedy
+            speculative output token-identical; see :func:`decoding.llamacpp.default_threads`).
 
     Raises:
         ValueError: unknown engine or drafter; ``device``/``dtype`` other than the defaults with ``engine="llamacpp"``.
