@@ -57,7 +57,8 @@ bench: setup
 
 # the llama.cpp engine against llama.cpp's own generation and the torch engine (BFCL test split, never tuned on)
 bench-llamacpp: setup setup-llamacpp
-	$(PY) -m bench.run --modes llamacpp --split test --limit 20 --repeat 3 --threads 2 --out bench/results/llamacpp/
+	$(PY) -m bench.run --model smollm2 --modes llamacpp --split test --limit 10 --repeat 1 --threads 1 \
+	  --max-new-tokens 256 --out bench/results/llamacpp/smollm2/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -35,15 +35,35 @@ def gguf_path(spec: str) -> Path:
     raise LlamaCppUnavailable(f"llama.cpp needs a GGUF model; {spec!r} is not one")
 
 
-def call_gbnf(call_schema: dict) -> str:
-    """GBNF for ``<tool_call>[CALL]</tool_call>`` with CALL the JSON of ``call_schema`` (llama.cpp's converter)."""
+_SHAPE_KEYS = {"type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const", "properties", "items", "pattern", "format"}
+_ANY = {"anyOf": [{"type": t} for t in ("string", "number", "boolean", "object", "array", "null")]}
+
+
+def _typed(schema):
+    """``schema`` with every sub-schema that says nothing of its shape (``{}``, ``{"description": …}``) written as
+    an explicit ``anyOf`` of the JSON types: llama.cpp's converter rejects an untyped schema."""
+    if isinstance(schema, list):
+        return [_typed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "required", "default", "examples") else
+               {n: _typed(sub) for n, sub in v.items()} if k in ("properties", "$defs", "definitions") and
+               isinstance(v, dict) else _typed(v)) for k, v in schema.items()}
+    if not _SHAPE_KEYS & set(out):
+        out.update(_ANY)
+    return out
+
+
+def call_gbnf(call_schema: dict, root: str = '"<tool_call>[" call "]</tool_call>"') -> str:
+    """GBNF ``root ::= <root>`` with ``call`` the JSON of ``call_schema`` (llama.cpp's converter); the default root is
+    the generic format's ``<tool_call>[CALL]</tool_call>``."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    body = json_schema_to_gbnf(json.dumps(call_schema))
+    body = json_schema_to_gbnf(json.dumps(_typed(call_schema)))
     body, n = re.subn(r"^root\s*::=", "call ::=", body, count=1, flags=re.M)
     if n != 1:
         raise LlamaCppUnavailable("unexpected GBNF from json_schema_to_gbnf (no root rule)")
-    return 'root ::= "<tool_call>[" call "]</tool_call>"\n' + body
+    return f"root ::= {root}\n" + body
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
+from agent.formats import make_format
 from decoding import DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel, ModelNotFoundError
 from decoding.generator import TORCH_DRAFTERS
 from constraints import schema_compiles
@@ -39,6 +40,9 @@ def baseline_of(mode: str) -> str:
     return LLAMACPP_BASELINE if mode.startswith(LLAMACPP_ENGINE) else BASELINE
 
 
+GENERIC_GBNF_ROOT = '"<tool_call>[" call "]</tool_call>"'
+
+
 class SkipMode(SpecAgentError):
     """A mode cannot run here (missing optional dependency, checkpoint or model); the message says why."""
 
@@ -61,24 +65,32 @@ class BenchPrompt:
     ids: list[int]
     grammar: Any
     call_schema: dict
+    fmt: Any = None
+    gbnf_root: str = GENERIC_GBNF_ROOT
+
+
+# llama.cpp's GBNF around the call (``call`` = the call schema's rule), in the layout of the model's tool format
+GBNF_ROOTS = {"generic": GENERIC_GBNF_ROOT, "hermes": '"<tool_call>\\n" call "\\n</tool_call>" | call',
+              "llama3_json": "call"}
 
 
 def build_prompts(tokenizer, rows: list[tuple[str, dict]]) -> list[BenchPrompt]:
     """Tools, prompt ids and turn grammar per row, exactly as ``agent.bfcl.run_bfcl`` with the bfcl CLI's Agent
-    (:func:`agent.bfcl.bfcl_turn`)."""
+    (:func:`agent.bfcl.bfcl_turn`), in the model's own tool format (detected from its chat template)."""
+    fmt = make_format(tokenizer)
     prompts = []
     for cat, row in rows:
         turn = bfcl_turn(row, cat)
         schema = call_schema(turn.tools, max_string_length=MAX_STRING_LENGTH, max_decimals=MAX_DECIMALS,
                              compiles=schema_compiles)
-        prompts.append(BenchPrompt(turn.id, cat, turn, turn.registry(), turn.prompt_ids(tokenizer), turn.grammar(),
-                                   schema))
+        prompts.append(BenchPrompt(turn.id, cat, turn, turn.registry(), turn.prompt_ids(tokenizer, fmt),
+                                   turn.grammar(fmt=fmt), schema, fmt, GBNF_ROOTS.get(fmt.name, "call")))
     return prompts
 
 
 def is_valid(text: str, truncated: bool, p: BenchPrompt) -> bool:
     """The output parses into at least one call and every call validates (``BfclTurn.judge``)."""
-    return p.turn.judge(text, truncated, p.registry)[0]
+    return p.turn.judge(text, truncated, p.registry, p.fmt)[0]
 
 
 # -- one decode --------------------------------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ class Bench:
     def _run_llamacpp(self, p: BenchPrompt, constrained: bool = True) -> Run:
         from .llamacpp_peer import call_gbnf
 
-        r = self._llamacpp.generate(p.ids, call_gbnf(p.call_schema) if constrained else None,
+        r = self._llamacpp.generate(p.ids, call_gbnf(p.call_schema, p.gbnf_root) if constrained else None,
                                     max_new_tokens=self.max_new_tokens)
         text = self.loaded.tokenizer.decode(r.tokens, skip_special_tokens=False)
         return Run(r.tokens, text, r.truncated, r.seconds, _decode_tps(len(r.tokens), r.seconds, r.prefill_seconds),

@@ -143,8 +143,17 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         for _ in range(repeat):
-            for m in active:  # interleaved: A B C A B C …
-                runs[m][p.id].append(bench.run(m, p))
+            for m in list(active):  # interleaved: A B C A B C …
+                try:
+                    runs[m][p.id].append(bench.run(m, p))
+                except Exception as e:  # noqa: BLE001 - a peer failing on one prompt drops that mode, not the run
+                    if m in (BASELINE, LLAMACPP_BASELINE):
+                        raise
+                    skipped[m] = f"failed on {p.id}: {type(e).__name__}: {str(e)[:200]}"
+                    log(f"DROPPED {m}: {skipped[m]}")
+                    active.remove(m)
+                    del runs[m]
+                    continue
                 rss[m] = peak_rss_mb()
         line = "  ".join(f"{m} {statistics.median(r.tokens_per_s for r in runs[m][p.id]):.1f}" for m in active)
         log(f"[{i + 1}/{len(prompts)}] {p.id} ({len(runs[BASELINE][p.id][0].tokens)} tokens) tok/s: {line}")

@@ -10,8 +10,8 @@ rows, Leviathan acceptance and rollback run exactly as with the torch engine (``
   whole context), read back in one copy from ``llama_get_logits`` (``float32 [n, V]``);
 * ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
   ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
-* the grammar tokenizer is built from the GGUF vocabulary (``llguidance.llamacpp.lltokenizer_from_vocab``), and the
-  chat template is rendered by the Hugging Face tokenizer read from the same GGUF (token ids are the GGUF's).
+* the Hugging Face tokenizer read from the same GGUF renders the chat template and builds the grammar tokenizer, as
+  on the torch engine (token ids are the GGUF's: llama.cpp's own tokenizer gives the same ids, tested).
 
 Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
 k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36, AVX2): with one thread
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from constraints import llg_tokenizer
 from schemas.errors import SpecAgentError
 
 from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, locate_gguf,
@@ -132,6 +132,11 @@ class LlamaCppModel:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
+    def vocab(self):
+        """llama.cpp's ``llama_vocab`` pointer (for its own tokenizer, ``llama_cpp.llama_tokenize``)."""
+        return self._vocab
+
+    @property
     def vocab_size(self) -> int:
         """Logits width V (``llama_vocab_n_tokens``)."""
         return int(_llama_cpp().llama_vocab_n_tokens(self._vocab))
@@ -146,14 +151,13 @@ class LlamaCppModel:
         return int(self.tokenizer.eos_token_id)
 
     def llg_tokenizer(self):
-        """The llguidance tokenizer of the GGUF vocabulary (built once, ~1 s; EOS = the tokenizer's EOS)."""
+        """The llguidance tokenizer (built once): from the GGUF's Hugging Face tokenizer, exactly as the torch engine
+        builds it, so one grammar means the same on both engines. (``llguidance.llamacpp.lltokenizer_from_vocab``
+        would mark every ``<…>`` user-defined token special, e.g. Qwen's ``<tool_call>``, which the HF tokenizer
+        keeps matchable as text; the token ids are the GGUF's either way, checked in ``tests/test_llamacpp.py``.)"""
         with self._lock:
             if self._llg is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
-                with warnings.catch_warnings():  # llguidance calls llama_token_get_attr, deprecated, once per token
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    self._llg = lltokenizer_from_vocab(self._vocab, eos_token=self.eos_token_id)
+                self._llg = llg_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
             return self._llg
 
     def new_lm(self) -> "LlamaCppLM":

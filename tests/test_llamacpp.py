@@ -48,9 +48,17 @@ def references(gen, questions):
 def test_engine_is_llamacpp_with_the_gguf_vocabulary(gen, cpp):
     assert gen.engine == "llamacpp"
     assert cpp.vocab_size == 49152 and cpp.eos_token_id == gen.tokenizer.eos_token_id
-    text = 'get_weather(city="Zürich", days=3)\n'
+    import ctypes
+
+    import llama_cpp
+
+    text = 'get_weather(city="Zürich", days=3)\n{"a": [1, 2.5]}'
     ids = gen.tokenizer.encode(text, add_special_tokens=False)
-    assert gen.llg_tokenizer.tokenize_str(text) == ids  # llguidance (from the GGUF) and HF agree on the ids
+    raw = text.encode()
+    buf = (llama_cpp.llama_token * 256)()
+    n = llama_cpp.llama_tokenize(cpp.vocab, raw, len(raw), buf, 256, False, False)
+    assert list(buf[:n]) == ids  # llama.cpp's own tokenizer and the HF tokenizer read from the GGUF agree
+    assert gen.llg_tokenizer.tokenize_str(text) == ids
 
 
 def test_crop_then_forward_gives_the_logits_of_a_fresh_cache(cpp):
