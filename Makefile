@@ -56,9 +56,11 @@ bench: setup
 	$(PY) -m bench.run --limit 20 --repeat 3 --out bench/results/
 
 # the llama.cpp engine against llama.cpp's own generation and the torch engine (BFCL test split, never tuned on)
-bench-llamacpp: setup setup-llamacpp
+bench-llamacpp: setup setup-llamacpp model-default
 	$(PY) -m bench.run --model smollm2 --modes llamacpp --split test --limit 10 --repeat 1 --threads 1 \
 	  --max-new-tokens 256 --out bench/results/llamacpp/smollm2/
+	$(PY) -m bench.run --model qwen2.5-coder-0.5b --modes llamacpp --split test --limit 6 --repeat 1 --threads 1 \
+	  --max-new-tokens 128 --out bench/results/llamacpp/qwen2.5-coder-0.5b/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
