@@ -81,10 +81,7 @@ class Generator:
             self.loaded = load_model(model, device=device, dtype=dtype)
         self.engine = "llamacpp" if isinstance(self.loaded, LlamaCppModel) else "torch"
         self.tokenizer = self.loaded.tokenizer
-        if self.engine == "llamacpp":
-            self.llg_tokenizer = self.loaded.llg_tokenizer()
-        else:
-            self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
+        self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
         check_drafter(drafter)
         if drafter in TORCH_DRAFTERS:
             self._need_torch(drafter)

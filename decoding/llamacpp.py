@@ -11,7 +11,9 @@ rows, Leviathan acceptance and rollback run exactly as with the torch engine (``
 * ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
   ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
 * the Hugging Face tokenizer read from the same GGUF renders the chat template and builds the grammar tokenizer, as
-  on the torch engine (token ids are the GGUF's: llama.cpp's own tokenizer gives the same ids, tested).
+  on the torch engine, so one grammar means the same on both engines (token ids are the GGUF's: llama.cpp's own
+  tokenizer gives the same ids, tested). ``llguidance.llamacpp.lltokenizer_from_vocab`` is not used: it marks
+  every ``<…>`` user-defined token special (Qwen's ``<tool_call>``), which the HF tokenizer keeps matchable as text.
 
 Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
 k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36, AVX2): with one thread
@@ -41,7 +43,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from constraints import llg_tokenizer
 from schemas.errors import SpecAgentError
 
 from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, locate_gguf,
@@ -121,25 +122,18 @@ class LlamaCppModel:
     tokenizer: Any
     n_threads: int
     n_ctx: int
+    vocab_size: int  # logits width V (``llama_vocab_n_tokens``)
     n_batch: int = DEFAULT_N_BATCH
-    engine: str = "llamacpp"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: str = "gguf"
     _model: Any = None
     _vocab: Any = None
     _local: threading.local = field(default_factory=threading.local)
-    _llg: Any = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def vocab(self):
         """llama.cpp's ``llama_vocab`` pointer (for its own tokenizer, ``llama_cpp.llama_tokenize``)."""
         return self._vocab
-
-    @property
-    def vocab_size(self) -> int:
-        """Logits width V (``llama_vocab_n_tokens``)."""
-        return int(_llama_cpp().llama_vocab_n_tokens(self._vocab))
 
     @property
     def context_length(self) -> int:
@@ -149,16 +143,6 @@ class LlamaCppModel:
     @property
     def eos_token_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
-
-    def llg_tokenizer(self):
-        """The llguidance tokenizer (built once): from the GGUF's Hugging Face tokenizer, exactly as the torch engine
-        builds it, so one grammar means the same on both engines. (``llguidance.llamacpp.lltokenizer_from_vocab``
-        would mark every ``<…>`` user-defined token special, e.g. Qwen's ``<tool_call>``, which the HF tokenizer
-        keeps matchable as text; the token ids are the GGUF's either way, checked in ``tests/test_llamacpp.py``.)"""
-        with self._lock:
-            if self._llg is None:
-                self._llg = llg_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_id)
-            return self._llg
 
     def new_lm(self) -> "LlamaCppLM":
         """A KV-cached forward wrapper on this thread's llama.cpp context (created on first use)."""
@@ -206,8 +190,9 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
                                     f"({', '.join(kinds)} layers); models with only full-attention layers are "
                                     f"supported")
     n_ctx = min(n_ctx, int(llama_cpp.llama_model_n_ctx_train(model)) or n_ctx)
+    vocab = llama_cpp.llama_model_get_vocab(model)
     loaded = LlamaCppModel(path, name, sha, tok, n_threads or default_threads(), n_ctx,
-                           _model=model, _vocab=llama_cpp.llama_model_get_vocab(model))
+                           int(llama_cpp.llama_vocab_n_tokens(vocab)), _model=model, _vocab=vocab)
     weakref.finalize(loaded, llama_cpp.llama_model_free, model)
     if loaded.vocab_size < len(tok):
         raise RuntimeError(f"{name}: the GGUF vocabulary ({loaded.vocab_size}) is smaller than its tokenizer's "
@@ -244,12 +229,11 @@ class _Context:
     def decode(self, tokens: list[int], num_logits: int) -> np.ndarray:
         """Append ``tokens`` at positions ``length …``; returns ``float32 [num_logits, V]`` for the last rows."""
         out = []
-        n = len(tokens)
-        for start in range(0, n, self.n_batch):
+        first_logit = len(tokens) - num_logits  # index of the first token whose logits are kept
+        b = self.batch
+        for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
-            b = self.batch
             b.n_tokens = len(chunk)
-            first_logit = n - num_logits  # absolute index of the first token whose logits are kept
             rows = 0
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
