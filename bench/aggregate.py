@@ -42,6 +42,18 @@ def _share(runs: list[Run], attr: str) -> float | None:
     return round(sum(vals) / total, 4) if total > 0 else None
 
 
+def median_speed_ratio(runs: dict[str, list[Run]], base: dict[str, list[Run]],
+                       prompts: list[BenchPrompt]) -> float | None:
+    """Median over prompts of (tokens/s of ``runs`` ÷ tokens/s of ``base`` on that prompt), each side the median of
+    its repeats; prompts where ``base`` is 0 tokens/s are left out (None when none is left)."""
+    ratios = []
+    for p in prompts:
+        b = statistics.median(r.tokens_per_s for r in base[p.id])
+        if b > 0:
+            ratios.append(statistics.median(r.tokens_per_s for r in runs[p.id]) / b)
+    return _median(ratios)
+
+
 def aggregate(runs: dict[str, list[Run]], prompts: list[BenchPrompt], baseline: dict[str, list[Run]] | None,
               rss_mb: float, same_engine: dict[str, list[Run]] | None = None) -> dict:
     """The result fields of one mode. ``runs[prompt id]`` = that prompt's repeats; ``baseline`` the same for
@@ -50,20 +62,15 @@ def aggregate(runs: dict[str, list[Run]], prompts: list[BenchPrompt], baseline: 
     same_engine = baseline if same_engine is None else same_engine
     flat = [r for p in prompts for r in runs[p.id]]
     tps = {p.id: statistics.median(r.tokens_per_s for r in runs[p.id]) for p in prompts}
-    speedups, identical = [], []
-    if baseline is not None:
-        for p in prompts:
-            base = statistics.median(r.tokens_per_s for r in baseline[p.id])
-            if base > 0:
-                speedups.append(tps[p.id] / base)
-            identical.append(runs[p.id][0].tokens == same_engine[p.id][0].tokens)
+    speedup = None if baseline is None else median_speed_ratio(runs, baseline, prompts)
+    identical = [] if baseline is None else [runs[p.id][0].tokens == same_engine[p.id][0].tokens for p in prompts]
     forwards = [r.forwards for r in flat]
     tpf = None if any(f is None for f in forwards) or not sum(forwards) else \
         round(sum(len(r.tokens) for r in flat) / sum(forwards), 4)
     valid = [is_valid(runs[p.id][0].text, runs[p.id][0].truncated, p) for p in prompts]
     out = {
         "tokens_per_s": round(_median(list(tps.values())), 3),
-        "speedup_vs_constrained": round(_median(speedups), 4) if speedups else None,
+        "speedup_vs_constrained": None if speedup is None else round(speedup, 4),
         "tokens_per_forward": tpf,
         "acceptance_by_position": acceptance_by_position(flat),
         "mask_time_share": _share(flat, "mask_seconds"),

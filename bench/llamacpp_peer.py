@@ -14,25 +14,13 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
+from decoding.llamacpp import gguf_of
 from schemas.errors import SpecAgentError
 
 
 class LlamaCppUnavailable(SpecAgentError, RuntimeError):
     """llama.cpp cannot run this benchmark (not installed, no GGUF, grammar conversion failed)."""
-
-
-def gguf_path(spec: str) -> Path:
-    """The GGUF file behind a model spec (an alias of ``decoding.KNOWN_MODELS`` or a ``.gguf`` path)."""
-    from decoding.loader import KNOWN_MODELS, locate_gguf
-
-    if spec in KNOWN_MODELS:
-        return locate_gguf(KNOWN_MODELS[spec])
-    p = Path(spec).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        return p
-    raise LlamaCppUnavailable(f"llama.cpp needs a GGUF model; {spec!r} is not one")
 
 
 _SHAPE_KEYS = {"type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const", "properties", "items", "pattern", "format"}
@@ -82,7 +70,8 @@ class LlamaCppPeer:
             from llama_cpp import Llama
         except ImportError as e:  # optional dependency
             raise LlamaCppUnavailable(f"llama_cpp is not installed ({e}); pip install llama-cpp-python") from None
-        self.llm = Llama(model_path=str(gguf_path(model_spec)), n_ctx=n_ctx, n_threads=n_threads,
+        path, _, _ = gguf_of(model_spec)  # the file the llama.cpp engine loads (ModelNotFoundError if not a GGUF)
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads,
                          n_gpu_layers=-1 if gpu else 0, verbose=False, seed=0)
         self.eos = self.llm.token_eos()
 

@@ -65,7 +65,7 @@ import torch
 from agent.bfcl import CATEGORIES, SPLITS, load_questions
 from decoding import DEFAULT_DRAFTER, LoadedModel, ModelNotFoundError, MTPError, load_model
 
-from .aggregate import aggregate, peak_rss_mb
+from .aggregate import aggregate, median_speed_ratio, peak_rss_mb
 from .modes import (BASELINE, DEFAULT_MODES, LLAMACPP_BASELINE, LLAMACPP_DRAFTERS, LLAMACPP_MODES, MODES, Bench,
                     BenchPrompt, Run, SkipMode, baseline_of, build_prompts)
 from .report import machine_meta, write_outputs
@@ -169,18 +169,13 @@ RATIOS = (("llamacpp_engine_best", "llamacpp_constrained"), ("llamacpp_engine_be
 
 def speed_ratios(res: BenchResult) -> dict[str, float]:
     """``"A / B"`` → median over prompts of (A's tokens/s ÷ B's tokens/s on that prompt), for the pairs of
-    :data:`RATIOS` that both ran (each side's per-prompt value is the median of its repeats)."""
+    :data:`RATIOS` that both ran (:func:`bench.aggregate.median_speed_ratio`)."""
     out = {}
     for a, b in RATIOS:
         if a in res.runs and b in res.runs:
-            ratios = []
-            for p in res.prompts:
-                ta = statistics.median(r.tokens_per_s for r in res.runs[a][p.id])
-                tb = statistics.median(r.tokens_per_s for r in res.runs[b][p.id])
-                if tb > 0:
-                    ratios.append(ta / tb)
-            if ratios:
-                out[f"{a} / {b}"] = round(statistics.median(ratios), 3)
+            ratio = median_speed_ratio(res.runs[a], res.runs[b], res.prompts)
+            if ratio is not None:
+                out[f"{a} / {b}"] = round(ratio, 3)
     return out
 
 
