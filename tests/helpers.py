@@ -7,9 +7,11 @@ from typing import Callable
 
 import torch
 
+from agent.format import render_prompt, turn_grammar
 from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row, regex_grammar
 from decoding import CausalLM, Drafter, DraftModelDrafter, LoadedModel, SamplingParams, decode, speculative_decode
 from decoding.sampling import probs_from_logits
+from schemas.bfcl import tool_from_bfcl
 
 from conftest import tiny_llama
 
@@ -131,3 +133,25 @@ def speculative_sampling_tv(char_tokenizer, drafter_kind: str, n: int = 1500,
                                      sampling=sampling)
         counts[tuple(res.tokens)] += 1
     return 0.5 * sum(abs(exact.get(k, 0.0) - counts[k] / n) for k in set(exact) | set(counts))
+
+
+def decode_bfcl(gen, row: dict, drafter: str, *, max_new_tokens: int = 384, **kwargs):
+    """One BFCL question with ``gen`` as the generic format renders it (``tool_choice="required"``, one call,
+    strings capped at 200 characters, 8 decimals): ``(tools, DecodeResult)``."""
+    tools = [tool_from_bfcl(fn) for fn in row["function"]]
+    ids = render_prompt(gen.tokenizer, [m for turn in row["question"] for m in turn], tools)
+    grammar = turn_grammar(tools, "required", parallel=False, max_string_length=200, max_decimals=8)
+    return tools, gen.generate(ids, grammar, drafter=drafter, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def assert_identical_with_fewer_forwards(gen, questions: list[dict], references: dict, drafter: str,
+                                         **kwargs) -> None:
+    """Each question decoded with ``drafter`` gives the tokens of its reference (``references[id]``, decoded with
+    ``drafter="none"`` by :func:`decode_bfcl` with the same ``kwargs``) in fewer target forwards."""
+    fewer = 0
+    for row in questions:
+        ref = references[row["id"]]
+        _, spec = decode_bfcl(gen, row, drafter, **kwargs)
+        assert spec.tokens == ref.tokens, (row["id"], ref.text, spec.text)
+        fewer += spec.stats.target_forwards < ref.stats.target_forwards
+    assert fewer == len(questions)

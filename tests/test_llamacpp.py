@@ -9,10 +9,11 @@ import torch
 
 from agent import Agent
 from agent.bfcl import load_questions
-from agent.format import parse_turn, render_prompt, turn_grammar
+from agent.format import parse_turn, turn_grammar
 from decoding import Generator, LlamaCppModel, ModelNotFoundError, SamplingParams, load_llamacpp
 from schemas.bfcl import tool_from_bfcl
 
+from helpers import assert_identical_with_fewer_forwards, decode_bfcl
 from test_model import BFCL_FIXTURE
 
 pytestmark = pytest.mark.model
@@ -33,11 +34,11 @@ def questions():
     return load_questions("simple_python", BFCL_FIXTURE, limit=10)
 
 
+MAX_NEW_TOKENS = 256
+
+
 def _decode(gen, row, drafter, **kw):
-    tools = [tool_from_bfcl(fn) for fn in row["function"]]
-    ids = render_prompt(gen.tokenizer, [m for turn in row["question"] for m in turn], tools)
-    grammar = turn_grammar(tools, "required", parallel=False, max_string_length=200, max_decimals=8)
-    return tools, gen.generate(ids, grammar, drafter=drafter, max_new_tokens=256, **kw)
+    return decode_bfcl(gen, row, drafter, max_new_tokens=MAX_NEW_TOKENS, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,6 @@ def references(gen, questions):
 def test_engine_is_llamacpp_with_the_gguf_vocabulary(gen, cpp):
     assert gen.engine == "llamacpp"
     assert cpp.vocab_size == 49152 and cpp.eos_token_id == gen.tokenizer.eos_token_id
-    import ctypes
-
     import llama_cpp
 
     text = 'get_weather(city="Zürich", days=3)\n{"a": [1, 2.5]}'
@@ -91,13 +90,7 @@ def test_bfcl_calls_parse_and_validate(gen, questions, references):
 
 @pytest.mark.parametrize("drafter", ["forced", "schema", "lookup"])
 def test_speculative_greedy_is_token_identical_to_one_token_per_forward(gen, questions, references, drafter):
-    fewer = 0
-    for row in questions:
-        ref = references[row["id"]]
-        _, spec = _decode(gen, row, drafter)
-        assert spec.tokens == ref.tokens, (row["id"], ref.text, spec.text)
-        fewer += spec.stats.target_forwards < ref.stats.target_forwards
-    assert fewer == len(questions)
+    assert_identical_with_fewer_forwards(gen, questions, references, drafter, max_new_tokens=MAX_NEW_TOKENS)
 
 
 def test_sampled_speculative_output_validates(gen, questions):

@@ -8,11 +8,11 @@ import pytest
 
 from agent import Agent
 from agent.bfcl import load_questions, score
-from agent.format import parse_turn, render_prompt, turn_grammar
+from agent.format import parse_turn
 from decoding import Generator
-from schemas.bfcl import tool_from_bfcl
 
 from conftest import SHARED
+from helpers import assert_identical_with_fewer_forwards, decode_bfcl
 
 pytestmark = pytest.mark.model
 BFCL_FIXTURE = Path(__file__).resolve().parent / "fixtures"
@@ -35,14 +35,7 @@ def gen(smol):
 @pytest.fixture(scope="module")
 def references(gen, questions):
     """The non-speculative reference decode of each question, computed once for every drafter test."""
-    return {row["id"]: _decode(gen, row, "none")[1] for row in questions}
-
-
-def _decode(gen, row, drafter):
-    tools = [tool_from_bfcl(fn) for fn in row["function"]]
-    ids = render_prompt(gen.tokenizer, [m for turn in row["question"] for m in turn], tools)
-    grammar = turn_grammar(tools, "required", parallel=False, max_string_length=200, max_decimals=8)
-    return tools, gen.generate(ids, grammar, drafter=drafter, max_new_tokens=384)
+    return {row["id"]: decode_bfcl(gen, row, "none")[1] for row in questions}
 
 
 def test_bfcl_fixture_is_the_first_ten_shared_questions(questions):
@@ -55,7 +48,7 @@ def test_bfcl_fixture_is_the_first_ten_shared_questions(questions):
 def test_first_ten_bfcl_simple_python_all_parse_and_validate(gen, questions):
     correct = 0
     for row in questions:
-        tools, res = _decode(gen, row, "lookup")
+        tools, res = decode_bfcl(gen, row, "lookup")
         assert not res.truncated, row["id"]
         calls, _ = parse_turn(res.text)
         assert len(calls) == 1
@@ -67,13 +60,7 @@ def test_first_ten_bfcl_simple_python_all_parse_and_validate(gen, questions):
 
 @pytest.mark.parametrize("drafter", ["forced", "schema", "lookup", "mtp"])
 def test_every_drafter_is_token_identical_to_no_drafter_on_bfcl(gen, questions, references, drafter):
-    faster = 0
-    for row in questions:
-        ref = references[row["id"]]
-        _, spec = _decode(gen, row, drafter)
-        assert spec.tokens == ref.tokens, (row["id"], ref.text, spec.text)
-        faster += spec.stats.target_forwards < ref.stats.target_forwards
-    assert faster == len(questions)
+    assert_identical_with_fewer_forwards(gen, questions, references, drafter)
 
 
 def test_demo_tools_produce_validated_calls_and_answers(smol):
@@ -104,7 +91,7 @@ def test_shipped_mtp_head_loads_and_is_accepted_on_held_out_prompts(gen, questio
     assert card["target_sha256"] == gen.loaded.sha256 and "0-49" in card["data"]["held_out"]
     drafted = accepted = first = first_ok = 0
     for row in questions:
-        _, res = _decode(gen, row, "mtp")
+        _, res = decode_bfcl(gen, row, "mtp")
         drafted += res.stats.drafted
         accepted += res.stats.accepted
         if res.stats.drafted_by_position:
