@@ -58,22 +58,25 @@ def calculate(expression: Annotated[str, Field(pattern=r"^[0-9 +*/%().-]{1,64}$"
     return ev(ast.parse(expression, mode="eval"))
 
 
-_LENGTH_M = {"m": 1.0, "km": 1000.0, "cm": 0.01, "mm": 0.001, "mile": 1609.344, "ft": 0.3048, "inch": 0.0254}
+# Unit names as a user writes them: with abbreviations ("km", "ft") Qwen2.5-Coder-0.5B answered "How many feet are
+# in 5 km?" with calculate("5 * 1000.0") and "5000.0 feet"; with these names and this tool name it calls the converter.
+_LENGTH_M = {"meters": 1.0, "kilometers": 1000.0, "centimeters": 0.01, "millimeters": 0.001, "miles": 1609.344,
+             "feet": 0.3048, "inches": 0.0254}
+LengthUnit = Literal["meters", "kilometers", "centimeters", "millimeters", "miles", "feet", "inches"]
 
 
-def convert_units(value: Annotated[float, Field(ge=0, le=1e9)], from_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"],
-                  to_unit: Literal["m", "km", "cm", "mm", "mile", "ft", "inch"]) -> dict:
-    """Convert a length between units.
+def convert_length(value: Annotated[float, Field(ge=0, le=1e9)], from_unit: LengthUnit, to_unit: LengthUnit) -> dict:
+    """Convert a length from one unit to another, e.g. kilometers to feet.
 
     Args:
-        value: The amount to convert.
+        value: The length to convert, in from_unit.
         from_unit: The unit of the value.
         to_unit: The unit to convert to.
     """
     return {"value": round(value * _LENGTH_M[from_unit] / _LENGTH_M[to_unit], 6), "unit": to_unit}
 
 
-TOOLS = [get_weather, calculate, convert_units]
+TOOLS = [get_weather, calculate, convert_length]
 PROMPTS = [
     "What's the weather like in Tokyo right now?",
     "What is (17 + 25) * 3?",

@@ -40,6 +40,20 @@ def test_default_model_calls_add_and_answers_42_with_auto_tool_choice(gen):
     assert "42" in res.final_answer
 
 
+def test_default_model_answers_every_demo_question_with_the_right_tool(gen):
+    """`make demo`'s three questions: the right tool, the right arguments, the result quoted in the answer."""
+    from agent.demo_tools import PROMPTS, TOOLS
+
+    agent = Agent(gen, TOOLS, max_steps=2)
+    expected = [("get_weather", {"city": "Tokyo"}, "24"), ("calculate", {}, "126"),
+                ("convert_length", {"value": 5, "from_unit": "kilometers", "to_unit": "feet"}, "16404")]
+    for prompt, (name, args, answer) in zip(PROMPTS, expected):
+        res = agent.run(prompt, max_new_tokens=96)
+        assert [r.call.name for r in res.tool_calls] == [name], prompt
+        assert args.items() <= res.tool_calls[0].call.arguments.items(), prompt
+        assert answer in res.final_answer, (prompt, res.final_answer)
+
+
 def test_bfcl_calls_are_token_identical_across_drafters_and_validate(gen):
     for row in load_questions("simple_python", FIXTURES, limit=3):
         tools = [tool_from_bfcl(fn) for fn in row["function"]]
