@@ -21,16 +21,24 @@ from .stats import DecodeResult, DecodeStats
 
 def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):
     """Fill the cache with ``prompt[:-1]``; returns ``cur = prompt[-1]`` (not yet fed), or with ``hidden=True``
-    ``(cur, last-layer hidden states float [len(prompt) - 1, d])``."""
+    ``(cur, last-layer hidden states float [len(prompt) - 1, d])``.
+
+    Without ``hidden``, a prefix of the prompt still in the engine's KV cache from the previous decode is kept
+    (``target.reuse_prefix``; counted in ``stats.prompt_tokens_cached``) and only the rest is prefilled."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     t0 = time.perf_counter()
-    target.reset()
+    if hidden:  # the hidden states of every prompt position are wanted: prefill it all
+        target.reset()
+        reused = 0
+    else:
+        reused = target.reuse_prefix(prompt)
     h = None
-    if len(prompt) > 1:
-        _, h = target.forward(prompt[:-1], num_logits=1, hidden=hidden)
+    if len(prompt) - 1 > reused:
+        _, h = target.forward(prompt[reused:-1], num_logits=1, hidden=hidden)
     target.synchronize()  # CUDA runs asynchronously: time the prefill, not its launch
     stats.prompt_tokens += len(prompt)
+    stats.prompt_tokens_cached += reused
     stats.prefill_seconds += time.perf_counter() - t0
     return (prompt[-1], h) if hidden else prompt[-1]
 

@@ -65,8 +65,8 @@ def _llama_cpp():
         raise LlamaCppUnavailableError(f"the llama.cpp engine needs llama-cpp-python ({e}); install it with: "
                                        f"{INSTALL}") from None
     log = logging.getLogger("llama-cpp-python")  # llama.cpp's own log lines go through this logger
-    if log.level == logging.NOTSET:  # left unset (it then prints everything, load chatter included): warnings only
-        log.setLevel(logging.WARNING)
+    if log.level == logging.NOTSET:  # left unset, it prints everything; llama.cpp logs its load chatter (the
+        log.setLevel(logging.ERROR)   # GGUF's metadata, the graph) partly at WARN: errors only, as verbose=False does
     return llama_cpp
 
 
@@ -219,45 +219,52 @@ class _Context:
         self.batch = llama_cpp.llama_batch_init(model.n_batch, 0, 1)
         self.n_batch = model.n_batch
         self.vocab_size = model.vocab_size
-        self.length = 0
+        self.tokens: list[int] = []  # the ids whose keys/values the KV cache holds, in order
         weakref.finalize(self, _free_context, llama_cpp, self.ctx, self.batch)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.mem, True)
-        self.length = 0
+        self.tokens = []
 
-    def decode(self, tokens: list[int], num_logits: int) -> np.ndarray:
-        """Append ``tokens`` at positions ``length …``; returns ``float32 [num_logits, V]`` for the last rows."""
+    def decode(self, tokens: list[int], rows: list[int]) -> np.ndarray:
+        """Append ``tokens`` at positions ``length …``; returns ``float32 [len(rows), V]``: the logits of the tokens
+        at the increasing indices ``rows`` (llama.cpp computes the LM head for those only)."""
         out = []
-        first_logit = len(tokens) - num_logits  # index of the first token whose logits are kept
+        want = set(rows)
         b = self.batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             b.n_tokens = len(chunk)
-            rows = 0
+            n_out = 0
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
                 b.pos[i] = self.length + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
-                want = start + i >= first_logit
-                b.logits[i] = want
-                rows += want
+                keep = start + i in want
+                b.logits[i] = keep
+                n_out += keep
             rc = self.lib.llama_decode(self.ctx, b)
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with code {rc} at position {self.length} "
                                    f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
-            self.length += len(chunk)
-            if rows:
+            self.tokens.extend(chunk)
+            if n_out:
                 ptr = self.lib.llama_get_logits(self.ctx)
-                out.append(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy())
+                out.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
+        if not out:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def crop(self, length: int) -> None:
         if length < self.length:
             if not self.lib.llama_memory_seq_rm(self.mem, 0, length, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
-            self.length = length
+            del self.tokens[length:]
 
 
 def _free_context(lib, ctx, batch) -> None:
@@ -282,17 +289,42 @@ class LlamaCppLM:
     def reset(self) -> None:
         self.ctx.clear()
 
+    def reuse_prefix(self, prompt: list[int]) -> int:
+        """Keep the longest prefix of ``prompt[:-1]`` already in this thread's KV cache and drop the rest: prefix
+        caching across decodes (llama.cpp server's ``cache_prompt``, vLLM's automatic prefix caching), so a
+        request that repeats the previous one's system prompt and tools, or a conversation's next turn, prefills
+        only its new tokens.
+
+        Returns:
+            the number of prompt tokens whose keys/values were reused (0 .. ``len(prompt) - 1``).
+
+        Keys/values are what a fresh prefill computes only where a row's result does not depend on the batch it
+        was computed in: measured bit-identical with one thread and no repacking (the engine's default); with
+        more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
+        """
+        cached = self.ctx.tokens
+        limit = min(len(cached), len(prompt) - 1)
+        n = 0
+        while n < limit and cached[n] == prompt[n]:
+            n += 1
+        self.ctx.crop(n)
+        return n
+
     @property
     def length(self) -> int:
         """Tokens whose keys/values are in the KV cache."""
         return self.ctx.length
 
-    def forward(self, tokens: list[int], *, num_logits: int | None = None,
-                hidden: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(self, tokens: list[int], *, num_logits: int | None = None, hidden: bool = False,
+                logit_rows: list[int] | None = None) -> tuple[torch.Tensor, None]:
         """Run ``tokens`` (``k >= 1`` ids) after the cached ones in one ``llama_decode`` (chunks of ``n_batch``).
 
+        Args:
+            num_logits: logits for the last ``num_logits`` tokens (default all ``k``).
+            logit_rows: instead, the increasing indices (into ``tokens``) of the tokens whose logits are wanted;
+                the LM head runs for those rows only.
         Returns:
-            ``(logits float32 [num_logits, V] (default all k), None)``.
+            ``(logits float32 [num_logits or len(logit_rows), V], None)``.
         Raises:
             ValueError: ``hidden=True`` (not available from llama.cpp here), or the context would overflow.
             RuntimeError: ``llama_decode`` failed.
@@ -305,8 +337,10 @@ class LlamaCppLM:
         if self.ctx.length + len(tokens) > self.loaded.n_ctx:
             raise ValueError(f"{self.ctx.length + len(tokens)} positions do not fit the llama.cpp context "
                              f"({self.loaded.n_ctx})")
-        n = len(tokens) if num_logits is None else num_logits
-        return torch.from_numpy(self.ctx.decode(tokens, n)), None
+        if logit_rows is None:
+            n = len(tokens) if num_logits is None else num_logits
+            logit_rows = list(range(len(tokens) - n, len(tokens)))
+        return torch.from_numpy(self.ctx.decode(tokens, logit_rows)), None
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (``llama_memory_seq_rm``)."""

@@ -73,6 +73,12 @@ class CausalLM:
         elif self.cache is not None:
             self._set_static_length(0)
 
+    def reuse_prefix(self, prompt: list[int]) -> int:
+        """Prefix caching hook of the engine interface (see ``LlamaCppLM.reuse_prefix``): this cache lives for one
+        decode, so nothing is reused — it is emptied and 0 is returned."""
+        self.reset()
+        return 0
+
     @property
     def length(self) -> int:
         """Tokens whose keys/values are in the cache."""
@@ -88,15 +94,18 @@ class CausalLM:
         return self.cache.layers[0].max_cache_len
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], *, num_logits: int | None = None,
-                hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: list[int], *, num_logits: int | None = None, hidden: bool = False,
+                logit_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` after the cached ones.
 
         Args:
             tokens: ``k >= 1`` token ids.
             num_logits: logits for the last ``num_logits`` positions (default all ``k``).
+            logit_rows: instead, the increasing indices (into ``tokens``) of the positions whose logits are wanted
+                (the LM head runs for those rows only: transformers' ``logits_to_keep`` as an index tensor).
         Returns:
-            ``(logits float32 [num_logits, V], last-layer hidden states [k, d] or None)``, on ``self.device``.
+            ``(logits float32 [num_logits or len(logit_rows), V], last-layer hidden states [k, d] or None)``, on
+            ``self.device``.
         Raises:
             ValueError: static cache: the sequence would exceed the model's context length.
         """
@@ -104,6 +113,11 @@ class CausalLM:
             self.reset()
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         n = len(tokens) if num_logits is None else num_logits
+        if logit_rows is not None:
+            if not logit_rows:
+                n = torch.empty(0, dtype=torch.long, device=self.device)
+            else:
+                n = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         extra = {}
         if self.cache_kind == "static":
             end = self._length + len(tokens)

@@ -103,13 +103,26 @@ def verify(target: CausalLM, cur: int, draft: Draft, bitmask: torch.Tensor, *,
            hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target forward over ``[cur, d1 … dk]`` (a trailing EOS needs no logits after it).
 
+    Row i's logits decide draft token ``d_{i+1}``; where that token is schema-forced (row i of the mask allows it
+    alone) they cannot change the outcome — greedy takes the one allowed token, and the masked, renormalised p is
+    one-hot on it, so Leviathan's rule accepts it with probability 1 — so the target's LM head is skipped for those
+    rows (``logit_rows``) and a zero row stands in before masking.
+
     Returns:
         ``(target_logits, hidden)``: target logits ``float [rows, V]`` with row i masked by ``bitmask[i]`` (the
         bonus row included), and with ``hidden=True`` the target's last-layer states ``float [k + 1, d]``.
     """
-    logits, h = target.forward([cur] + draft.tokens[:draft.num_consumed], hidden=hidden)
-    n_rows = min(draft.rows, logits.shape[0])
-    return apply_bitmask(logits[:n_rows].clone(), bitmask[:n_rows]), h
+    tokens = [cur] + draft.tokens[:draft.num_consumed]
+    n_rows = min(draft.rows, len(tokens))
+    needed = [i for i in range(n_rows) if not (i < len(draft.forced) and draft.forced[i])]
+    if len(needed) == len(tokens):
+        logits, h = target.forward(tokens, hidden=hidden)
+        return apply_bitmask(logits.clone(), bitmask[:n_rows]), h
+    rows, h = target.forward(tokens, hidden=hidden, logit_rows=needed)
+    logits = torch.zeros((n_rows, rows.shape[-1]), dtype=rows.dtype, device=rows.device)
+    if needed:
+        logits[needed] = rows
+    return apply_bitmask(logits, bitmask[:n_rows]), h
 
 
 def accept(target_logits: torch.Tensor, draft: Draft, sampling: SamplingParams,

@@ -9,7 +9,8 @@ class DecodeStats:
     """Counters and timings of one or more decodes.
 
     Attributes:
-        prompt_tokens: tokens prefilled.
+        prompt_tokens: prompt tokens (prefilled, or found in the KV cache).
+        prompt_tokens_cached: prompt tokens whose keys/values were reused from the previous decode (prefix caching).
         new_tokens: tokens emitted (EOS excluded).
         target_forwards: target model forwards after prefill (one per decode step / verification).
         drafted: tokens proposed by a drafter (schema-forced tokens not included).
@@ -21,6 +22,7 @@ class DecodeStats:
     """
 
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
     new_tokens: int = 0
     target_forwards: int = 0
     drafted: int = 0

@@ -182,3 +182,32 @@ def test_bench_runs_the_llamacpp_modes_side_by_side(tmp_path):
     assert data["llamacpp_engine_lookup"]["tokens_per_forward"] > 1.0
     assert {"llamacpp_engine_best / llamacpp_constrained", "llamacpp_engine_best / llamacpp_unconstrained"} <= \
         set(meta["ratios"])
+
+
+def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
+    """A decode keeps the longest prefix of its prompt still in the thread's KV cache (the system prompt shared by
+    BFCL questions, a whole repeated prompt) and its tokens equal a decode from an empty cache."""
+    from agent.format import render_prompt
+
+    gen = Generator(cpp)
+    a, b = questions[0], questions[1]
+
+    def prompt(row):
+        tools = [tool_from_bfcl(fn) for fn in row["function"]]
+        return render_prompt(gen.tokenizer, [m for t in row["question"] for m in t], tools), \
+            turn_grammar(tools, "required", parallel=False, max_string_length=200, max_decimals=8)
+
+    (ids_a, g_a), (ids_b, g_b) = prompt(a), prompt(b)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+    assert shared > 20  # the chat template's system header is common to both
+    for drafter in ("none", "lookup"):
+        cpp.new_lm().reset()
+        fresh = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
+        assert fresh.stats.prompt_tokens_cached == 0
+        gen.generate(ids_a, g_a, drafter=drafter, max_new_tokens=64)
+        after_a = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
+        assert after_a.stats.prompt_tokens_cached == shared
+        again = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
+        assert again.stats.prompt_tokens_cached == len(ids_b) - 1  # the last prompt token is always fed
+        assert fresh.tokens == after_a.tokens == again.tokens, drafter
+        assert fresh.stats.prompt_tokens == after_a.stats.prompt_tokens == len(ids_b)

@@ -73,6 +73,36 @@ def test_forced_tokens_cut_target_forwards(tiny_target):
     assert spec.stats.forced > 0 and spec.stats.target_forwards < ref.stats.target_forwards / 2
 
 
+class RowCountingLM(CausalLM):
+    """Records the verify rows whose logits the decoder asks for (None: all of them)."""
+
+    def __init__(self, loaded):
+        super().__init__(loaded)
+        self.requests: list[tuple[int, list[int] | None]] = []
+
+    def forward(self, tokens, *, num_logits=None, hidden=False, logit_rows=None):
+        self.requests.append((len(tokens), logit_rows))
+        return super().forward(tokens, num_logits=num_logits, hidden=hidden, logit_rows=logit_rows)
+
+
+def test_lm_head_is_skipped_for_rows_whose_next_token_is_forced(tiny_target):
+    """Row i of a verify decides d_{i+1}; a schema-forced d_{i+1} needs no target logits, so none are computed —
+    and the output is still the reference's."""
+    tok = tiny_target.tokenizer
+    llt = llg_tokenizer(tok, tiny_target.vocab_size)
+    prompt = tok.encode("x", add_special_tokens=False)
+    grammar = json_schema_grammar({"type": "object", "properties": {"a_long_property_name": {"type": "boolean"},
+                                                                    "n": {"type": "integer"}},
+                                   "required": ["a_long_property_name", "n"], "additionalProperties": False})
+    ref = decode(CausalLM(tiny_target), prompt, ConstraintState(llt, grammar), max_new_tokens=40)
+    target = RowCountingLM(tiny_target)
+    spec = speculative_decode(target, prompt, ConstraintState(llt, grammar), PromptLookupDrafter(),
+                              num_draft_tokens=4, max_new_tokens=40)
+    assert spec.tokens == ref.tokens
+    skipped = sum(k - len(rows) for k, rows in target.requests if rows is not None)  # a prefill asks for None
+    assert skipped >= spec.stats.forced > 0  # every forced token's row (the distribution test covers sampling)
+
+
 class ScriptedDrafter(Drafter):
     """Proposes a fixed script of tokens, position by position in the output (valid or not)."""
 
