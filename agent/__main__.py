@@ -86,7 +86,8 @@ def _print_run(prompt: str, res) -> None:
         print(f"  answer    : {answer[:300]}{' …' if len(answer) > 300 else ''}")
     s = res.stats
     print(f"  stats     : {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, {s.tokens_per_forward:.2f} tokens/forward, "
-          f"{s.target_forwards} target forwards, acceptance {s.acceptance_rate:.2f}, {s.forced} forced tokens")
+          f"{s.target_forwards} target forwards, acceptance {s.acceptance_rate:.2f}, {s.forced} forced tokens; "
+          f"prompts {s.prompt_tokens} tokens ({s.prompt_tokens_cached} cached), prefill {s.prefill_seconds:.1f} s")
 
 
 def cmd_demo(args) -> int:
