@@ -250,7 +250,9 @@ class _Context:
                 n_out += keep
             rc = self.lib.llama_decode(self.ctx, b)
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc} at position {self.length} "
+                at = self.length
+                self.clear()  # what the cache holds is unknown now: the next prompt prefills from scratch
+                raise RuntimeError(f"llama_decode failed with code {rc} at position {at} "
                                    f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
             self.tokens.extend(chunk)
             if n_out:
