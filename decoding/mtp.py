@@ -8,7 +8,14 @@ last-layer hidden state h_i and the embedding of the next token x_{i+1},
 where Block is one transformer layer of the target's own architecture (a ``LlamaDecoderLayer`` with the target's
 config) and Emb, FinalNorm and LMHead are the target's own modules, shared and frozen (not copied). Drafting γ > 1
 tokens reuses the head recurrently, as Google LiteRT-LM's MTP drafter feeds back its projected activations: where
-the target's h_j is not known yet (a drafted position) the head's own output g_{j-1} stands in for it.
+the target's h_j is not known yet (a drafted position) the head's own output stands in for it — ``FinalNorm(g_{j-1})``
+(:meth:`MTPHead.stand_in`), in the same space as h_j, which ``CausalLM.forward(hidden=True)`` returns after the
+target's final norm (heads trained before this used the raw g_{j-1}; their card has no ``"stand_in"``).
+
+Drafting stops early, EAGLE-2 style (Li et al. 2024, arXiv 2406.16858, §4: draft where the draft model is confident),
+when the head's probability of its own token under the grammar mask falls below ``min_confidence`` (chosen on the
+validation split by ``scripts/train_mtp.py``, stored in the card): a draft that is likely rejected costs a head
+forward and a verify row and ends the window anyway.
 
 The head keeps a small KV cache for its one block, position-aligned with the sequence; after every verification
 the target's hidden states of the accepted positions (taken from the verify forward: no extra target forward)
@@ -44,10 +51,17 @@ class MTPHead(nn.Module):
 
     Args:
         target: the target ``LlamaForCausalLM``-style model (``model.embed_tokens``, ``model.norm``, ``lm_head``).
+        stand_in: what stands in for the target's hidden state at a drafted position: ``"final_norm"``
+            (``FinalNorm(g)``, the target's h space) or ``"raw"`` (g itself, heads trained before the change).
+        min_confidence: the drafter's confidence stop (masked probability of its own token; 0: never stop).
     """
 
-    def __init__(self, target: nn.Module):
+    def __init__(self, target: nn.Module, *, stand_in: str = "final_norm", min_confidence: float = 0.0):
         super().__init__()
+        if stand_in not in ("final_norm", "raw"):
+            raise ValueError(f"stand_in must be 'final_norm' or 'raw', got {stand_in!r}")
+        self.stand_in_kind = stand_in
+        self.min_confidence = min_confidence
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
         cfg = target.config
@@ -87,6 +101,10 @@ class MTPHead(nn.Module):
         pos_emb = self.rotary(x, position_ids)
         return self.block(x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                           use_cache=cache is not None, position_embeddings=pos_emb)
+
+    def stand_in(self, g: torch.Tensor) -> torch.Tensor:
+        """``float [..., d]``: the input that replaces the target's hidden state at the position after ``g``'s."""
+        return self.target.model.norm(g) if self.stand_in_kind == "final_norm" else g
 
     def logits(self, g: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``float [..., V]`` logits of head states, or ``[..., n]`` for ``token_ids`` only (mask-sparse)."""
@@ -135,7 +153,8 @@ def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple
                        f"but {loaded.name} has {sha}: refusing a mismatched head")
     from safetensors.torch import load_file
 
-    head = MTPHead(loaded.model).to(loaded.device, loaded.dtype)
+    head = MTPHead(loaded.model, stand_in=card.get("stand_in", "raw"),
+                   min_confidence=float(card.get("min_confidence", 0.0))).to(loaded.device, loaded.dtype)
     state = load_file(directory / "mtp_head.safetensors", device=str(loaded.device))
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -153,14 +172,19 @@ class MTPDrafter(Drafter):
 
     Mask-sparse drafting: when the row allows at most ``sparse_limit`` tokens, only those LM-head rows are
     multiplied (``[n, d]`` instead of ``[V, d]``).
+
+    Args:
+        min_confidence: stop the window (``propose`` returns None) when the masked, renormalised head probability
+            of the drafted token is below this (None: the head's own ``min_confidence``, from its card).
     """
 
     name = "mtp"
     needs_hidden_states = True
 
-    def __init__(self, head: MTPHead, sparse_limit: int = 512):
+    def __init__(self, head: MTPHead, sparse_limit: int = 512, min_confidence: float | None = None):
         self.head = head
         self.sparse_limit = sparse_limit
+        self.min_confidence = head.min_confidence if min_confidence is None else min_confidence
         self.reset()
 
     def reset(self) -> None:
@@ -172,6 +196,7 @@ class MTPDrafter(Drafter):
         self.outputs: list[torch.Tensor] = []  # head output g_j at position j ([d])
         self.forwards = 0
         self.sparse_calls = 0
+        self.stops = 0  # windows ended by the confidence stop
 
     def _crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -210,7 +235,8 @@ class MTPDrafter(Drafter):
         device = self.head.proj.weight.device
         while len(self.inputs) <= need:
             j = len(self.inputs)
-            g = self.head(self.outputs[j - 1][None, None], torch.tensor([[tokens[j + 1]]], device=device),
+            g = self.head(self.head.stand_in(self.outputs[j - 1])[None, None],
+                          torch.tensor([[tokens[j + 1]]], device=device),
                           torch.tensor([[j]], device=device), self.cache)[0, 0]
             self.forwards += 1
             self.inputs.append(tokens[j + 1])
@@ -222,9 +248,23 @@ class MTPDrafter(Drafter):
             allowed = allowed.to(device)
             logits = self.head.logits(g, allowed).float()
             if sampling.greedy:
-                return int(allowed[torch.argmax(logits)]), None
+                best = int(torch.argmax(logits))
+                if self.min_confidence > 0 and float(torch.softmax(logits, -1)[best]) < self.min_confidence:
+                    self.stops += 1
+                    return None
+                return int(allowed[best]), None
             masked = torch.full((1, self.head.target.config.vocab_size), float("-inf"), device=device)
             masked[0, allowed] = logits
         else:
             masked = apply_bitmask(self.head.logits(g)[None].float(), bitmask_row[None])
-        return pick(masked, sampling, generator)
+        if sampling.greedy and self.min_confidence > 0:
+            best = int(torch.argmax(masked[0]))
+            if float(torch.softmax(masked[0], -1)[best]) < self.min_confidence:
+                self.stops += 1
+                return None
+            return best, None
+        tok, q = pick(masked, sampling, generator)
+        if self.min_confidence > 0 and q is not None and float(q[tok]) < self.min_confidence:
+            self.stops += 1
+            return None
+        return tok, q

@@ -82,6 +82,77 @@ def test_training_script_five_steps_on_tiny_target_lowers_the_loss(tiny_target):
     assert len(losses) == 5 and after < before
 
 
+def test_training_loss_covers_every_recurrent_depth_and_evaluation_reports_them(tiny_target):
+    tok = tiny_target.tokenizer
+    seqs = [{"tokens": tok.encode("call get_weather with the city paris and the unit celsius " * 3), "prompt_len": 8}]
+    rec = train_mtp.featurize(tiny_target, seqs)[0]
+    head = MTPHead(tiny_target.model)
+    _, parts = train_mtp.head_loss(head, rec, depths=3)
+    assert sorted(parts) == ["depth0", "depth1", "depth2"]
+    res = train_mtp.evaluate(head.eval(), [rec], depths=3)
+    n = len(rec["tokens"]) - 2 - (8 - 2)  # answer positions with a label two ahead
+    assert len(res["free"]) == 3 and res["positions_free"] == n and len(res["samples"]) == 3 * n
+
+
+def test_depth0_evaluation_is_the_drafters_first_proposal(tiny_target):
+    """Training/validation and drafting feed the head the same way: after the prompt is observed, the drafter's
+    first proposal (from h_{P-2} and x_{P-1}) is the head's depth-0 prediction at that position."""
+    torch.manual_seed(3)
+    head = MTPHead(tiny_target.model).eval()
+    tok = tiny_target.tokenizer
+    ids = tok.encode("the weather in paris is sunny and warm today", add_special_tokens=False)
+    rec = train_mtp.featurize(tiny_target, [{"tokens": ids, "prompt_len": len(ids) - 1}])[0]
+    from decoding import CausalLM
+    from decoding.mtp import MTPDrafter
+    from decoding.sampling import SamplingParams
+
+    drafter = MTPDrafter(head, sparse_limit=0)
+    _, h = CausalLM(tiny_target).forward(ids[:-1], hidden=True)
+    drafter.observe(h, ids[1:], 0)
+    row = torch.full((1, (tiny_target.vocab_size + 31) // 32), -1, dtype=torch.int32)[0]  # everything allowed
+    proposal, _ = drafter.propose(ids, None, row, SamplingParams(), None)
+    with torch.inference_mode():
+        g = head(rec["hidden"][None, :-1].float(), rec["tokens"][None, 1:].long(), torch.arange(len(ids) - 1)[None])
+    assert proposal == int(head.logits(g[0, -1]).argmax())
+
+
+def test_confidence_stop_ends_windows_and_keeps_greedy_identity(tiny_target):
+    torch.manual_seed(0)
+    gen = Generator(tiny_target)
+    tok = tiny_target.tokenizer
+    grammar = json_schema_grammar(random_schema(random.Random(7)))
+    prompt = tok.encode(PROMPTS[0], add_special_tokens=False)
+    ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
+    drafted = {}
+    for threshold in (0.0, 1.0):  # 1.0: a free token is never drafted with certainty under a >1-token mask
+        gen._mtp_head = MTPHead(tiny_target.model, min_confidence=threshold).eval()
+        res = gen.generate(prompt, grammar, drafter="mtp", max_new_tokens=60, num_draft_tokens=4)
+        assert res.tokens == ref.tokens
+        drafted[threshold] = res.stats.drafted
+    assert drafted[0.0] > 0 and drafted[1.0] == 0
+
+
+def test_min_confidence_is_chosen_where_drafting_pays():
+    # confident drafts are right, unsure ones wrong: the threshold lands between them
+    samples = [(0, 0.9, True)] * 30 + [(0, 0.6, True)] * 5 + [(1, 0.2, False)] * 40 + [(1, 0.1, True)] * 2
+    threshold, kept = train_mtp.choose_min_confidence(samples, draft_cost=0.15)
+    assert 0.2 < threshold <= 0.6 and kept["kept_agreement"] == 1.0
+    assert train_mtp.choose_min_confidence([(0, 0.5, True)] * 3, 0.15)[0] == 0.0  # all pay: never stop
+
+
+def test_card_sets_stand_in_and_confidence_stop_and_old_cards_keep_the_raw_stand_in(tiny_target, head, tmp_path):
+    save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target)})
+    old, _ = load_head(tiny_target, tmp_path)
+    assert old.stand_in_kind == "raw" and old.min_confidence == 0.0
+    g = torch.randn(2, tiny_target.model.config.hidden_size)
+    torch.testing.assert_close(old.stand_in(g), g)
+    save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target), "stand_in": "final_norm",
+                               "min_confidence": 0.3})
+    new, _ = load_head(tiny_target, tmp_path)
+    assert new.min_confidence == 0.3
+    torch.testing.assert_close(new.stand_in(g), tiny_target.model.model.norm(g))
+
+
 def test_checkpoint_for_another_model_is_refused(tiny_target, tiny_draft, head, tmp_path):
     save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target)})
     load_head(tiny_target, tmp_path)  # the right target loads

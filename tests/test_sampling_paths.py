@@ -168,7 +168,7 @@ class RecomputingMTPDrafter(MTPDrafter):
             g = self.head(torch.stack(inputs)[None], torch.tensor([tokens[1:m + 1]]), torch.arange(m)[None])[0]
             if m - 1 >= need:
                 break
-            inputs.append(g[m - 1])
+            inputs.append(self.head.stand_in(g[m - 1]))
         logits = self.head.logits(g[need])[None].float()
         q = probs_from_logits(apply_bitmask(logits, bitmask_row[None]), sampling)[0]
         torch.testing.assert_close(out[1], q, atol=1e-4, rtol=1e-3)
