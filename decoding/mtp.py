@@ -5,7 +5,7 @@ last-layer hidden state h_i and the embedding of the next token x_{i+1},
 
     g_i = Block( W_proj [ RMSNorm(h_i) ‖ RMSNorm(Emb(x_{i+1})) ] ),   logits_i = LMHead(FinalNorm(g_i)) ≈ p(x_{i+2})
 
-where Block is one transformer layer of the target's own architecture (a ``LlamaDecoderLayer`` with the target's
+where Block is one transformer layer of the target's own architecture (its decoder-layer class with the target's
 config) and Emb, FinalNorm and LMHead are the target's own modules, shared and frozen (not copied). Drafting γ > 1
 tokens reuses the head recurrently, as Google LiteRT-LM's MTP drafter feeds back its projected activations: where
 the target's h_j is not known yet (a drafted position) the head's own output stands in for it — ``FinalNorm(g_{j-1})``
@@ -62,7 +62,7 @@ class MTPHead(nn.Module):
             raise ValueError(f"stand_in must be 'final_norm' or 'raw', got {stand_in!r}")
         self.stand_in_kind = stand_in
         self.min_confidence = min_confidence
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         cfg = target.config
         d = cfg.hidden_size
@@ -70,8 +70,9 @@ class MTPHead(nn.Module):
         self.embed_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         block_cfg = cfg.__class__.from_dict(cfg.to_dict(), attn_implementation="sdpa")
-        self.block = LlamaDecoderLayer(block_cfg, layer_idx=0)
-        self.rotary = LlamaRotaryEmbedding(block_cfg)
+        # the target's own layer and rotary classes (Llama; Qwen2's carries q/k/v biases)
+        self.block = type(target.model.layers[0])(block_cfg, layer_idx=0)
+        self.rotary = type(target.model.rotary_emb)(block_cfg)
         self.__dict__["_target"] = target  # shared, not a submodule: never saved, never trained, never copied
         with torch.no_grad():
             nn.init.normal_(self.proj.weight, std=0.02)

@@ -82,6 +82,27 @@ def test_training_script_five_steps_on_tiny_target_lowers_the_loss(tiny_target):
     assert len(losses) == 5 and after < before
 
 
+def test_head_block_is_the_targets_own_layer_class_qwen2_with_qkv_bias(smol_tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=smol_tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, initializer_range=0.5, eos_token_id=2)
+    target = LoadedModel(Qwen2ForCausalLM(cfg).eval(), smol_tokenizer, "tiny-qwen2", None, torch.device("cpu"),
+                         torch.float32)
+    head = MTPHead(target.model).eval()
+    assert isinstance(head.block, type(target.model.model.layers[0]))
+    assert head.block.self_attn.q_proj.bias is not None  # a Llama layer here would drop Qwen2's q/k/v biases
+    gen = Generator(target)
+    gen._mtp_head = head
+    grammar = json_schema_grammar(random_schema(random.Random(3)))
+    prompt = smol_tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=40)
+    spec = gen.generate(prompt, grammar, drafter="mtp", max_new_tokens=40, num_draft_tokens=3)
+    assert spec.tokens == ref.tokens and spec.stats.drafted > 0
+
+
 def test_training_loss_covers_every_recurrent_depth_and_evaluation_reports_them(tiny_target):
     tok = tiny_target.tokenizer
     seqs = [{"tokens": tok.encode("call get_weather with the city paris and the unit celsius " * 3), "prompt_len": 8}]
