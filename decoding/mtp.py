@@ -13,9 +13,10 @@ the target's h_j is not known yet (a drafted position) the head's own output sta
 target's final norm (heads trained before this used the raw g_{j-1}; their card has no ``"stand_in"``).
 
 Drafting stops early, EAGLE-2 style (Li et al. 2024, arXiv 2406.16858, §4: draft where the draft model is confident),
-when the head's probability of its own token under the grammar mask falls below ``min_confidence`` (chosen on the
-validation split by ``scripts/train_mtp.py``, stored in the card): a draft that is likely rejected costs a head
-forward and a verify row and ends the window anyway.
+when the head's probability of its own token under the grammar mask falls below ``min_confidence``, or when the
+token would be drafted more than ``max_depth`` stand-ins past the target's last verified state (both chosen on the
+validation split by ``scripts/train_mtp.py``, stored in the card): a draft that is likely rejected costs head
+forwards and a verify row and ends the window anyway.
 
 The head keeps a small KV cache for its one block, position-aligned with the sequence; after every verification
 the target's hidden states of the accepted positions (taken from the verify forward: no extra target forward)
@@ -54,10 +55,14 @@ class MTPHead(nn.Module):
         stand_in: what stands in for the target's hidden state at a drafted position: ``"final_norm"``
             (``FinalNorm(g)``, the target's h space) or ``"raw"`` (g itself, heads trained before the change).
         min_confidence: the drafter's confidence stop (masked probability of its own token; 0: never stop).
+        max_depth: the drafter's depth stop: at most this many drafted positions (stand-ins) between the target's
+            last known hidden state and the drafted token (None: no limit).
     """
 
-    def __init__(self, target: nn.Module, *, stand_in: str = "final_norm", min_confidence: float = 0.0):
+    def __init__(self, target: nn.Module, *, stand_in: str = "final_norm", min_confidence: float = 0.0,
+                 max_depth: int | None = None):
         super().__init__()
+        self.max_depth = max_depth
         if stand_in not in ("final_norm", "raw"):
             raise ValueError(f"stand_in must be 'final_norm' or 'raw', got {stand_in!r}")
         self.stand_in_kind = stand_in
@@ -155,7 +160,8 @@ def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple
     from safetensors.torch import load_file
 
     head = MTPHead(loaded.model, stand_in=card.get("stand_in", "raw"),
-                   min_confidence=float(card.get("min_confidence", 0.0))).to(loaded.device, loaded.dtype)
+                   min_confidence=float(card.get("min_confidence", 0.0)),
+                   max_depth=card.get("max_depth")).to(loaded.device, loaded.dtype)
     state = load_file(directory / "mtp_head.safetensors", device=str(loaded.device))
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -177,15 +183,21 @@ class MTPDrafter(Drafter):
     Args:
         min_confidence: stop the window (``propose`` returns None) when the masked, renormalised head probability
             of the drafted token is below this (None: the head's own ``min_confidence``, from its card).
+        max_depth: stop the window instead of drafting a token more than this many drafted positions (forced
+            ones included) past the target's last verified hidden state (None: the head's ``max_depth``). A free
+            token after a long forced run (``", "arguments": {"``…) is then drafted at depth 0 in the next window,
+            once the verify forward has given the target's states of the forced tokens.
     """
 
     name = "mtp"
     needs_hidden_states = True
 
-    def __init__(self, head: MTPHead, sparse_limit: int = 512, min_confidence: float | None = None):
+    def __init__(self, head: MTPHead, sparse_limit: int = 512, min_confidence: float | None = None,
+                 max_depth: int | None = None):
         self.head = head
         self.sparse_limit = sparse_limit
         self.min_confidence = head.min_confidence if min_confidence is None else min_confidence
+        self.max_depth = head.max_depth if max_depth is None else max_depth
         self.reset()
 
     def reset(self) -> None:
@@ -197,7 +209,7 @@ class MTPDrafter(Drafter):
         self.outputs: list[torch.Tensor] = []  # head output g_j at position j ([d])
         self.forwards = 0
         self.sparse_calls = 0
-        self.stops = 0  # windows ended by the confidence stop
+        self.stops = 0  # windows ended by the confidence or depth stop
 
     def _crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -227,6 +239,9 @@ class MTPDrafter(Drafter):
     def propose(self, tokens, state, bitmask_row, sampling, generator):
         need = len(tokens) - 2  # head position whose output predicts tokens[len(tokens)]
         if self.known == 0 or need < self.known - 1:
+            return None
+        if self.max_depth is not None and need - (self.known - 1) > self.max_depth:
+            self.stops += 1
             return None
         # drop drafted positions whose input token changed (rollback), then run the missing ones recurrently
         for j in range(self.known, len(self.inputs)):

@@ -22,8 +22,9 @@ then the answer positions at depths 0 … ``--depths``-1, each depth fed the pre
 Loss positions: every answer position (weight 1 when the predicted token is free, ``--forced-weight`` when the
 grammar forces it: the drafter is never asked for forced tokens) and ``--prompt-positions`` sampled prompt
 positions (weight ``--prompt-weight``). Validation reports top-1 agreement with the target (full vocabulary, no
-mask) on free answer positions by depth, and picks the confidence stop (``min_confidence``, EAGLE-2 style) that
-maximises accepted − ``--draft-cost`` × drafted tokens on validation free positions.
+mask) on free answer positions by depth, picks the depth stop (``max_depth``: the deepest depth whose agreement
+pays ``--draft-cost`` + ``--step-cost`` × depth) and the confidence stop (``min_confidence``, EAGLE-2 style) that
+maximises accepted − ``--draft-cost`` × drafted tokens on the validation free positions within that depth.
 """
 from __future__ import annotations
 
@@ -195,6 +196,18 @@ def evaluate(head: MTPHead, records: list[dict], *, depths: int = 4) -> dict:
             "positions_all": hit[0][1], "samples": samples}
 
 
+def choose_max_depth(free_agreement: list[float], draft_cost: float, step_cost: float) -> int | None:
+    """The deepest depth d (contiguous from 0) whose validation agreement pays for the draft:
+    ``a_d − draft_cost − step_cost·d > 0`` (each depth is one more recurrent head forward). None: depth 0 does not
+    pay either (the drafter would only cost)."""
+    depth = None
+    for d, a in enumerate(free_agreement):
+        if a - draft_cost - step_cost * d <= 0:
+            break
+        depth = d
+    return depth
+
+
 def choose_min_confidence(samples: list[tuple[int, float, bool]], draft_cost: float) -> tuple[float, dict]:
     """The confidence stop maximising Σ (hit − draft_cost) over the validation free positions the head would still
     draft (confidence ≥ threshold); ``(threshold, {"kept", "kept_agreement"})``."""
@@ -252,7 +265,10 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=float, default=2)
     ap.add_argument("--seconds", type=float, default=None, help="stop training after this many seconds")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--depths", type=int, default=3)
+    ap.add_argument("--depths", type=int, default=4, help="recurrent depths trained (0 … depths-1)")
+    ap.add_argument("--eval-depths", type=int, default=8, help="depths validated (the depth stop is chosen there)")
+    ap.add_argument("--step-cost", type=float, default=0.02,
+                    help="cost of one recurrent head forward relative to a target forward (depth stop)")
     ap.add_argument("--draft-cost", type=float, default=0.15,
                     help="cost of a drafted token relative to the target forward it may save (confidence stop)")
     ap.add_argument("--threads", type=int, default=1)
@@ -282,11 +298,15 @@ def main(argv=None) -> int:
     train_seconds = time.time() - t0
     head.eval()
     t0 = time.time()
-    result = evaluate(head, val)
-    threshold, kept = choose_min_confidence(result.pop("samples"), args.draft_cost)
-    print(json.dumps({"validation": result, "min_confidence": threshold, **kept,
+    result = evaluate(head, val, depths=args.eval_depths)
+    samples = result.pop("samples")
+    max_depth = choose_max_depth(result["free"], args.draft_cost, args.step_cost)
+    threshold, kept = choose_min_confidence([x for x in samples if max_depth is not None and x[0] <= max_depth],
+                                            args.draft_cost)
+    print(json.dumps({"validation": result, "max_depth": max_depth, "min_confidence": threshold, **kept,
                       "eval_seconds": round(time.time() - t0)}), flush=True)
     head.min_confidence = threshold
+    head.max_depth = max_depth
     sha = target_sha256(loaded)
     out = Path(args.out) if args.out else DEFAULT_CHECKPOINT_DIR / f"mtp-{sha[:16]}"
     kinds: dict = {}
@@ -296,7 +316,7 @@ def main(argv=None) -> int:
         k["answer_tokens"] += int(r["answer"].sum())
     card = {"target": loaded.name, "target_sha256": sha, "architecture": "DeepSeek-V3 depth-1 MTP module: "
             "RMSNorm(h) || RMSNorm(Emb(x)) -> Linear(2d->d) -> 1 decoder layer of the target's architecture -> "
-            "shared final norm + LM head", "stand_in": head.stand_in_kind, "min_confidence": threshold,
+            "shared final norm + LM head", "stand_in": head.stand_in_kind, "min_confidence": threshold, "max_depth": max_depth,
             "data": {"sources": "BFCL dev split (first half of each shared file) of every category: the target's "
                                 "constrained greedy turn + the ground-truth call in the model's tool format; "
                                 "MaskBench github/glaive/other valid instances as tool calls (never MaskBench bfcl)",
@@ -309,7 +329,8 @@ def main(argv=None) -> int:
                          "depths": args.depths, "lr": args.lr, "seconds": round(train_seconds),
                          "final_loss": round(sum(losses[-100:]) / max(len(losses[-100:]), 1), 4),
                          "threads": args.threads},
-            "validation": {**result, "min_confidence": threshold, **kept, "draft_cost": args.draft_cost,
+            "validation": {**result, "max_depth": max_depth, "min_confidence": threshold, **kept,
+                           "draft_cost": args.draft_cost, "step_cost": args.step_cost,
                            "metric": "top-1 agreement with the target's token two ahead, unmasked full vocabulary, "
                                      "by recurrent depth (0 = the target's own hidden state)"},
             "seconds_total": round(time.time() - t_start), "seed": args.seed,

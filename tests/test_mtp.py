@@ -11,7 +11,9 @@ import torch
 
 from constraints import json_schema_grammar
 from decoding import Generator, LoadedModel
-from decoding.mtp import MTPError, MTPHead, load_head, save_head, target_sha256
+from decoding import CausalLM
+from decoding.mtp import MTPDrafter, MTPError, MTPHead, load_head, save_head, target_sha256
+from decoding.speculative import speculative_decode
 
 from conftest import ROOT, tiny_llama
 from helpers import PROMPTS, random_schema
@@ -123,8 +125,6 @@ def test_depth0_evaluation_is_the_drafters_first_proposal(tiny_target):
     tok = tiny_target.tokenizer
     ids = tok.encode("the weather in paris is sunny and warm today", add_special_tokens=False)
     rec = train_mtp.featurize(tiny_target, [{"tokens": ids, "prompt_len": len(ids) - 1}])[0]
-    from decoding import CausalLM
-    from decoding.mtp import MTPDrafter
     from decoding.sampling import SamplingParams
 
     drafter = MTPDrafter(head, sparse_limit=0)
@@ -159,6 +159,33 @@ def test_min_confidence_is_chosen_where_drafting_pays():
     threshold, kept = train_mtp.choose_min_confidence(samples, draft_cost=0.15)
     assert 0.2 < threshold <= 0.6 and kept["kept_agreement"] == 1.0
     assert train_mtp.choose_min_confidence([(0, 0.5, True)] * 3, 0.15)[0] == 0.0  # all pay: never stop
+
+
+def test_depth_stop_drafts_only_near_the_targets_own_state_and_keeps_identity(tiny_target):
+    gen = Generator(tiny_target)
+    tok = tiny_target.tokenizer
+    depths = {None: [], 1: []}
+    for i, max_depth in [(i, m) for i in range(4) for m in (None, 1)]:
+        grammar = json_schema_grammar(random_schema(random.Random(11 + i)))
+        prompt = tok.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)
+        ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
+        torch.manual_seed(0)
+        head = MTPHead(tiny_target.model, max_depth=max_depth).eval()
+        seen = depths[max_depth]
+
+        class Recording(MTPDrafter):
+            def propose(self, tokens, state, row, sampling, generator):
+                out = super().propose(tokens, state, row, sampling, generator)
+                if out is not None:
+                    seen.append(len(tokens) - 2 - (self.known - 1))  # stand-ins before the drafted token
+                return out
+
+        res = speculative_decode(CausalLM(tiny_target), prompt, gen.new_state(grammar), Recording(head),
+                                 num_draft_tokens=4, max_new_tokens=60)
+        assert res.tokens == ref.tokens
+    assert max(depths[None]) > 1 and depths[1] and set(depths[1]) <= {0, 1}
+    assert train_mtp.choose_max_depth([0.6, 0.5, 0.3, 0.2, 0.4], draft_cost=0.15, step_cost=0.02) == 2
+    assert train_mtp.choose_max_depth([0.1, 0.5], draft_cost=0.15, step_cost=0.02) is None
 
 
 def test_card_sets_stand_in_and_confidence_stop_and_old_cards_keep_the_raw_stand_in(tiny_target, head, tmp_path):
