@@ -63,6 +63,7 @@ class MTPHead(nn.Module):
                  max_depth: int | None = None):
         super().__init__()
         self.max_depth = max_depth
+        self.draft_vocab: torch.Tensor | None = None  # int64 [n] (see candidates()); saved beside the weights
         if stand_in not in ("final_norm", "raw"):
             raise ValueError(f"stand_in must be 'final_norm' or 'raw', got {stand_in!r}")
         self.stand_in_kind = stand_in
@@ -123,6 +124,15 @@ class MTPHead(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
 
+    def candidates(self, prompt_tokens) -> torch.Tensor | None:
+        """``int64 [n]`` the token ids the drafter scores for a sequence: the head's draft vocabulary (frequent
+        answer tokens, FR-Spec style: Zhao et al. 2025, arXiv 2502.14856, §3) and the prompt's own tokens (argument
+        values are often copied). None when the head has no draft vocabulary (every allowed token is scored)."""
+        if self.draft_vocab is None:
+            return None
+        prompt = torch.as_tensor(list(prompt_tokens), dtype=torch.long, device=self.draft_vocab.device)
+        return torch.unique(torch.cat([self.draft_vocab, prompt]))
+
 
 def target_sha256(loaded: LoadedModel) -> str:
     """The identity an MTP checkpoint is tied to: the source weights' sha256 (GGUF), else a hash of the config."""
@@ -136,7 +146,10 @@ def save_head(head: MTPHead, directory: Path, card: dict) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in head.trainable_state_dict().items()}, directory / "mtp_head.safetensors")
+    tensors = {k: v.contiguous() for k, v in head.trainable_state_dict().items()}
+    if head.draft_vocab is not None:
+        tensors["draft_vocab"] = head.draft_vocab.to(torch.int32).contiguous()
+    save_file(tensors, directory / "mtp_head.safetensors")
     (directory / "mtp_head.json").write_text(json.dumps(card, indent=2) + "\n")
 
 
@@ -163,6 +176,11 @@ def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple
                    min_confidence=float(card.get("min_confidence", 0.0)),
                    max_depth=card.get("max_depth")).to(loaded.device, loaded.dtype)
     state = load_file(directory / "mtp_head.safetensors", device=str(loaded.device))
+    vocab = state.pop("draft_vocab", None)
+    if vocab is not None:
+        if vocab.numel() and int(vocab.max()) >= loaded.model.config.vocab_size:
+            raise MTPError(f"MTP head at {directory}: draft vocabulary holds ids past {loaded.name}'s vocabulary")
+        head.draft_vocab = vocab.long()
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as e:
@@ -178,7 +196,9 @@ class MTPDrafter(Drafter):
     """Drafts with an :class:`MTPHead` (see module docstring), masked by the grammar row before each token.
 
     Mask-sparse drafting: when the row allows at most ``sparse_limit`` tokens, only those LM-head rows are
-    multiplied (``[n, d]`` instead of ``[V, d]``).
+    multiplied (``[n, d]`` instead of ``[V, d]``); when it allows more and the head has a draft vocabulary, only
+    the allowed candidates (:meth:`MTPHead.candidates`) are scored, and the draft distribution q is theirs,
+    renormalised (verification stays exact for any q).
 
     Args:
         min_confidence: stop the window (``propose`` returns None) when the masked, renormalised head probability
@@ -210,6 +230,7 @@ class MTPDrafter(Drafter):
         self.forwards = 0
         self.sparse_calls = 0
         self.stops = 0  # windows ended by the confidence or depth stop
+        self.cand: torch.Tensor | None = None  # the sequence's candidate ids (head.candidates), set by the prefill
 
     def _crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -230,6 +251,8 @@ class MTPDrafter(Drafter):
         pos = torch.arange(start, start + hidden.shape[0], device=hidden.device)[None]
         tok = torch.tensor([next_tokens], device=hidden.device)
         g = self.head(hidden[None].to(self.head.proj.weight.dtype), tok, pos, self.cache)[0]
+        if start == 0:
+            self.cand = self.head.candidates(next_tokens)
         self.forwards += 1
         self.inputs.extend(next_tokens)
         self.outputs.extend(g)
@@ -259,7 +282,13 @@ class MTPDrafter(Drafter):
             self.outputs.append(g)
         g = self.outputs[need]
         allowed = allowed_tokens(bitmask_row, self.head.target.config.vocab_size)
-        if 0 < allowed.numel() <= self.sparse_limit:
+        if allowed.numel() > self.sparse_limit and self.cand is not None:  # score the candidates the mask allows
+            c = self.cand
+            allowed = c[((bitmask_row.to(c.device)[c >> 5] >> (c & 31)) & 1).bool()]
+            if allowed.numel() == 0:
+                self.stops += 1
+                return None
+        if 0 < allowed.numel() <= max(self.sparse_limit, 0 if self.cand is None else self.cand.numel()):
             self.sparse_calls += 1
             allowed = allowed.to(device)
             logits = self.head.logits(g, allowed).float()

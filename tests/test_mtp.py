@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from constraints import json_schema_grammar
+from constraints import allowed_tokens, json_schema_grammar
 from decoding import Generator, LoadedModel
 from decoding import CausalLM
 from decoding.mtp import MTPDrafter, MTPError, MTPHead, load_head, save_head, target_sha256
@@ -186,6 +186,35 @@ def test_depth_stop_drafts_only_near_the_targets_own_state_and_keeps_identity(ti
     assert max(depths[None]) > 1 and depths[1] and set(depths[1]) <= {0, 1}
     assert train_mtp.choose_max_depth([0.6, 0.5, 0.3, 0.2, 0.4], draft_cost=0.15, step_cost=0.02) == 2
     assert train_mtp.choose_max_depth([0.1, 0.5], draft_cost=0.15, step_cost=0.02) is None
+
+
+def test_draft_vocabulary_limits_proposals_to_candidates_keeps_identity_and_round_trips(tiny_target, tmp_path):
+    gen = Generator(tiny_target)
+    tok = tiny_target.tokenizer
+    torch.manual_seed(0)
+    head = MTPHead(tiny_target.model).eval()
+    head.draft_vocab = torch.arange(30, 3000)
+    gen._mtp_head = head
+    proposed, drafted = [], 0
+    for i in range(3):
+        grammar = json_schema_grammar(random_schema(random.Random(30 + i)))
+        prompt = tok.encode(PROMPTS[i], add_special_tokens=False)
+        ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
+
+        class Recording(MTPDrafter):
+            def propose(self, tokens, state, row, sampling, generator):
+                out = super().propose(tokens, state, row, sampling, generator)
+                if out is not None and int(allowed_tokens(row, tiny_target.vocab_size).numel()) > self.sparse_limit:
+                    proposed.append((out[0], set(tokens[:len(prompt)])))
+                return out
+
+        res = speculative_decode(CausalLM(tiny_target), prompt, gen.new_state(grammar),
+                                 Recording(head, sparse_limit=8), num_draft_tokens=4, max_new_tokens=60)
+        assert res.tokens == ref.tokens
+        drafted += res.stats.drafted
+    assert drafted and proposed and all(30 <= t < 3000 or t in p for t, p in proposed)
+    save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target)})
+    assert torch.equal(load_head(tiny_target, tmp_path)[0].draft_vocab, head.draft_vocab)
 
 
 def test_card_sets_stand_in_and_confidence_stop_and_old_cards_keep_the_raw_stand_in(tiny_target, head, tmp_path):
