@@ -56,7 +56,7 @@ class MTPHead(nn.Module):
             (``FinalNorm(g)``, the target's h space) or ``"raw"`` (g itself, heads trained before the change).
         min_confidence: the drafter's confidence stop (masked probability of its own token; 0: never stop).
         max_depth: the drafter's depth stop: at most this many drafted positions (stand-ins) between the target's
-            last known hidden state and the drafted token (None: no limit).
+            last known hidden state and the drafted token (None: no limit; -1: never draft).
     """
 
     def __init__(self, target: nn.Module, *, stand_in: str = "final_norm", min_confidence: float = 0.0,
