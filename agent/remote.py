@@ -173,7 +173,9 @@ def _stats(usage: Any, seconds: float) -> DecodeStats:
     if usage is None:
         return DecodeStats(seconds=seconds)
     spec = (getattr(usage, "model_extra", None) or {}).get("speculative") or {}
+    details = getattr(usage, "prompt_tokens_details", None)  # OpenAI's cached prompt tokens (vLLM, this server)
     return DecodeStats(prompt_tokens=usage.prompt_tokens or 0, new_tokens=usage.completion_tokens or 0,
+                       prompt_tokens_cached=getattr(details, "cached_tokens", None) or 0,
                        target_forwards=spec.get("target_forwards", 0), drafted=spec.get("drafted_tokens", 0),
                        accepted=spec.get("accepted_tokens", 0), forced=spec.get("forced_tokens", 0),
                        seconds=seconds)

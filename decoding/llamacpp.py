@@ -262,8 +262,8 @@ class _Context:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         return out[0] if len(out) == 1 else np.concatenate(out)
 
-    def crop(self, length: int) -> None:
-        if length < self.length:
+    def crop(self, length: int, always: bool = False) -> None:
+        if always or length < self.length:
             if not self.lib.llama_memory_seq_rm(self.mem, 0, length, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
             del self.tokens[length:]
@@ -309,7 +309,7 @@ class LlamaCppLM:
         n = 0
         while n < limit and cached[n] == prompt[n]:
             n += 1
-        self.ctx.crop(n)
+        self.ctx.crop(n, always=True)  # even at n == len(cached): nothing unrecorded may stay past n
         return n
 
     @property
