@@ -6,8 +6,9 @@ rows, Leviathan acceptance and rollback run exactly as with the torch engine (``
 :class:`LlamaCppLM` differs from :class:`decoding.model.CausalLM`:
 
 * ``forward(tokens, num_logits=n)`` is one ``llama_decode`` over the tokens, with logits requested for the last
-  ``n`` of them only (the batch's per-token ``logits`` flags; not ``logits_all``, which would keep logits for the
-  whole context), read back in one copy from ``llama_get_logits`` (``float32 [n, V]``);
+  ``n`` of them only (``logit_rows=[…]``: for those rows; the batch's per-token ``logits`` flags, not
+  ``logits_all``, which would keep logits for the whole context), read back in one copy from ``llama_get_logits``
+  (``float32 [n, V]``);
 * ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
   ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
 * the Hugging Face tokenizer read from the same GGUF renders the chat template and builds the grammar tokenizer, as

@@ -112,12 +112,10 @@ class CausalLM:
         if self.cache is None and self.cache_kind == "dynamic":
             self.reset()
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        n = len(tokens) if num_logits is None else num_logits
-        if logit_rows is not None:
-            if not logit_rows:
-                n = torch.empty(0, dtype=torch.long, device=self.device)
-            else:
-                n = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        if logit_rows is not None:  # an index tensor (possibly empty: no LM head at all), not an int (0 = keep all)
+            n = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        else:
+            n = len(tokens) if num_logits is None else num_logits
         extra = {}
         if self.cache_kind == "static":
             end = self._length + len(tokens)
