@@ -141,12 +141,14 @@ def target_sha256(loaded: LoadedModel) -> str:
     return hashlib.sha256(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def save_head(head: MTPHead, directory: Path, card: dict) -> None:
-    """Write ``mtp_head.safetensors`` and ``mtp_head.json`` (the card) into ``directory``."""
+def save_head(head: MTPHead, directory: Path, card: dict, dtype: torch.dtype | None = None) -> None:
+    """Write ``mtp_head.safetensors`` and ``mtp_head.json`` (the card) into ``directory``; ``dtype`` (e.g.
+    ``torch.float16``) stores the floating-point weights in that type (loading casts them to the target's)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in head.trainable_state_dict().items()}
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, v in head.trainable_state_dict().items()}
     if head.draft_vocab is not None:
         tensors["draft_vocab"] = head.draft_vocab.to(torch.int32).contiguous()
     save_file(tensors, directory / "mtp_head.safetensors")

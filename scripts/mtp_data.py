@@ -11,6 +11,12 @@ format from ``agent.formats.make_format``) followed by an answer:
   the tool format (first acceptable value of each argument; optional ones left out). The test split is never read.
 * MaskBench valid instances (``github``, ``glaive``, ``other``; never ``bfcl``, whose instances are BFCL ground
   truths of questions of both splits) as the arguments of a tool built from the instance's schema.
+* JSONSchemaBench schemas (the shared first half of each subset; object schemas up to ``--max-schema-chars``) as
+  tools, with the instance the target itself generates under the tool-call grammar (its constrained greedy turn).
+
+``--sources`` picks the sources and their priority (the budget may run out); ``--skip-items N`` skips the first N
+items of the plan (to continue a run whose budget ran out into another directory: the plan order is fixed by
+``--seed``).
 
 The prompt of a question is fed once: its answers continue from the cached prompt (KV cache cropped back), and
 consecutive prompts share their common prefix (the system prompt) the same way.
@@ -44,6 +50,7 @@ BFCL_CALL_CATEGORIES = ("simple_python", "multiple", "live_simple", "parallel", 
 BFCL_LONG_CATEGORIES = ("live_multiple",)
 BFCL_TEXT_CATEGORIES = ("irrelevance", "live_irrelevance")
 MASKBENCH_FILES = ("glaive", "other", "github")  # never maskbench/bfcl.jsonl
+SOURCES = ("bfcl", "maskbench", "jsonschemabench", "bfcl_long", "bfcl_text")  # default priority order
 SHARED = ROOT.parent / "shared" / "data"
 
 
@@ -227,6 +234,32 @@ def maskbench_items(data_dir: Path, max_schema_chars: int, max_instances: int) -
     return items
 
 
+def jsonschemabench_items(data_dir: Path, max_schema_chars: int) -> list[dict]:
+    """Object schemas of the shared JSONSchemaBench first halves (``*.first_half.jsonl``), up to
+    ``max_schema_chars`` of JSON each."""
+    items = []
+    for path in sorted(data_dir.glob("*.first_half.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            schema = row.get("schema")
+            if (not isinstance(schema, dict) or schema.get("type", "object") != "object"
+                    or len(json.dumps(schema)) > max_schema_chars):
+                continue
+            items.append({"id": f"jsonschemabench/{row['subset']}/{row['id']}", "schema": schema})
+    return items
+
+
+def schema_tool(item: dict):
+    """``(tool, user message)`` for a MaskBench / JSONSchemaBench schema item."""
+    from schemas import Tool
+
+    name = item["id"].rsplit("/", 1)[-1].replace("-", "_").replace(".", "_")[:48]
+    tool = Tool.from_schema(name, item["schema"], description=str(item["schema"].get("description", "")),
+                            strict=False)
+    user = item["schema"].get("title") or item["schema"].get("description") or f"Use {name}."
+    return tool, {"role": "user", "content": str(user)[:300]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -238,15 +271,20 @@ def main(argv=None) -> int:
     ap.add_argument("--max-schema-chars", type=int, default=1500)
     ap.add_argument("--max-instances", type=int, default=3)
     ap.add_argument("--shard-size", type=int, default=200)
+    ap.add_argument("--sources", default=",".join(SOURCES),
+                    help=f"comma-separated, in priority order (of {', '.join(SOURCES)})")
+    ap.add_argument("--skip-items", type=int, default=0, help="skip the first N items of the plan")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    sources = [x.strip() for x in args.sources.split(",") if x.strip()]
+    if unknown := sorted(set(sources) - set(SOURCES)):
+        ap.error(f"--sources: unknown {unknown}; choose from {list(SOURCES)}")
     torch.set_num_threads(args.threads)
     t_start = time.time()
     from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, bfcl_turn
     from agent.formats import make_format
     from decoding import Generator, load_model
-    from schemas import Tool
 
     loaded = load_model(args.model)
     gen = Generator(loaded)
@@ -287,12 +325,16 @@ def main(argv=None) -> int:
     rng.shuffle(texts)
     masks = maskbench_items(SHARED / "maskbench", args.max_schema_chars, args.max_instances)
     rng.shuffle(masks)
-    # the order is the priority when the budget runs out: BFCL calls, MaskBench instances, long BFCL prompts,
-    # then irrelevance text
-    plan = ([("bfcl", x) for x in calls] + [("maskbench", x) for x in masks] + [("bfcl", x) for x in longs]
-            + [("bfcl", x) for x in texts])
-    print(f"plan: {len(calls)} + {len(longs)} BFCL dev call questions, {len(masks)} MaskBench schemas, "
-          f"{len(texts)} BFCL dev irrelevance questions", flush=True)
+    jsbs = jsonschemabench_items(SHARED / "jsonschemabench", args.max_schema_chars)
+    rng.shuffle(jsbs)
+    by_source = {"bfcl": [("bfcl", x) for x in calls], "maskbench": [("maskbench", x) for x in masks],
+                 "jsonschemabench": [("jsonschemabench", x) for x in jsbs],
+                 "bfcl_long": [("bfcl", x) for x in longs], "bfcl_text": [("bfcl", x) for x in texts]}
+    # the order is the priority when the budget runs out
+    plan = [x for src in sources for x in by_source[src]][args.skip_items:]
+    print(f"plan ({', '.join(sources)}; {args.skip_items} skipped): {len(calls)} + {len(longs)} BFCL dev call "
+          f"questions, {len(masks)} MaskBench schemas, {len(jsbs)} JSONSchemaBench schemas, {len(texts)} BFCL dev "
+          f"irrelevance questions; {len(plan)} items to go", flush=True)
     done = 0
     for source, item in plan:
         if time.time() - t_start > args.seconds:
@@ -319,12 +361,20 @@ def main(argv=None) -> int:
                         pf.extend(ans)
                         add(pf.record(len(prompt), forced_flags(gen.new_state, grammar, ans, vocab), None,
                                       kind="truth", **meta))
+            elif source == "jsonschemabench":
+                tool, message = schema_tool(item)
+                prompt = fmt.render([message], [tool])
+                if len(prompt) > args.max_prompt_tokens:
+                    totals["skipped"] += 1
+                    continue
+                grammar = fmt.turn_grammar([tool], "required", parallel=False, max_string_length=MAX_STRING_LENGTH,
+                                           max_decimals=MAX_DECIMALS)
+                last = pf.start(prompt)
+                toks, free = greedy_turn(pf, gen.new_state(grammar), last, eos, args.max_new_tokens)
+                add(pf.record(len(prompt), free, toks, kind="greedy", group=item["id"], category="jsonschemabench"))
             else:
-                name = item["id"].rsplit("/", 1)[-1].replace("-", "_").replace(".", "_")[:48]
-                tool = Tool.from_schema(name, item["schema"], description=item["schema"].get("description", ""),
-                                        strict=False)
-                user = item["schema"].get("title") or item["schema"].get("description") or f"Use {name}."
-                messages = [{"role": "user", "content": str(user)[:300]}]
+                tool, message = schema_tool(item)
+                name, messages = tool.name, [message]
                 prompt = fmt.render(messages, [tool])
                 if len(prompt) > args.max_prompt_tokens:
                     totals["skipped"] += 1
@@ -360,6 +410,7 @@ def main(argv=None) -> int:
     totals["fed_tokens"] = pf.fed
     totals["seconds"] = round(time.time() - t_start)
     totals["items_done"] = done
+    totals["skip_items"] = args.skip_items
     totals["command"] = "python scripts/mtp_data.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "summary.json").write_text(json.dumps(totals, indent=2) + "\n")
     print(json.dumps(totals), flush=True)

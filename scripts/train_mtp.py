@@ -286,7 +286,7 @@ def train_head(head: MTPHead, records: list[dict], *, epochs: float = 1, max_ste
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--data", required=True, help="directory of scripts/mtp_data.py's shards")
+    ap.add_argument("--data", required=True, nargs="+", help="directories of scripts/mtp_data.py's shards")
     ap.add_argument("--out", default=None, help="checkpoint directory (default checkpoints/mtp-<sha16>)")
     ap.add_argument("--epochs", type=float, default=2)
     ap.add_argument("--seconds", type=float, default=None, help="stop training after this many seconds")
@@ -300,6 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=4096,
                     help="draft vocabulary size: most frequent free answer tokens in training (0: score every "
                          "allowed token)")
+    ap.add_argument("--save-dtype", choices=("float32", "float16"), default="float32",
+                    help="dtype the weights are stored in (float16 halves the checkpoint)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -312,9 +314,9 @@ def main(argv=None) -> int:
     loaded = load_model(args.model)
     for p in loaded.model.parameters():
         p.requires_grad_(False)
-    records = load_records(Path(args.data))
-    data_summary = json.loads((Path(args.data) / "summary.json").read_text()) \
-        if (Path(args.data) / "summary.json").exists() else {}
+    records = [r for d in args.data for r in load_records(Path(d))]
+    data_summary = [json.loads((Path(d) / "summary.json").read_text()) for d in args.data
+                    if (Path(d) / "summary.json").exists()]
     val = [r for r in records if is_validation(r["group"])]
     train = [r for r in records if not is_validation(r["group"])]
     count = lambda rs, key: int(sum(int(r[key].sum()) for r in rs))  # noqa: E731
@@ -342,7 +344,12 @@ def main(argv=None) -> int:
     sha = target_sha256(loaded)
     out = Path(args.out) if args.out else DEFAULT_CHECKPOINT_DIR / f"mtp-{sha[:16]}"
     kinds: dict = {}
+    categories: dict = {}
     for r in train:
+        c = categories.setdefault(r.get("category", "?"), {"sequences": 0, "tokens": 0, "answer_tokens": 0})
+        c["sequences"] += 1
+        c["tokens"] += len(r["tokens"])
+        c["answer_tokens"] += int(r["answer"].sum())
         k = kinds.setdefault(r["kind"], {"sequences": 0, "answer_tokens": 0})
         k["sequences"] += 1
         k["answer_tokens"] += int(r["answer"].sum())
@@ -352,12 +359,15 @@ def main(argv=None) -> int:
             "draft_vocab": 0 if head.draft_vocab is None else len(head.draft_vocab),
             "data": {"sources": "BFCL dev split (first half of each shared file) of every category: the target's "
                                 "constrained greedy turn + the ground-truth call in the model's tool format; "
-                                "MaskBench github/glaive/other valid instances as tool calls (never MaskBench bfcl)",
+                                "MaskBench github/glaive/other valid instances as tool calls (never MaskBench bfcl); "
+                                "JSONSchemaBench first-half schemas as tools with the target's constrained greedy "
+                                "instance",
                      "held_out": "BFCL test split (second half of each file) never read; validation = 1 in 12 "
                                  "question/schema groups (mtp_data.is_validation)",
                      "train_sequences": len(train), "train_tokens": sum(len(r["tokens"]) for r in train),
                      "train_answer_tokens": count(train, "answer"), "train_free_answer_tokens": count(train, "free"),
-                     "by_kind": kinds, "validation_sequences": len(val), "generation": data_summary},
+                     "by_kind": kinds, "validation_sequences": len(val),
+                     "by_category": categories, "generation": data_summary},
             "training": {"steps": len(losses), "epochs": round(len(losses) / max(len(train), 1), 2),
                          "depths": args.depths, "lr": args.lr, "seconds": round(train_seconds),
                          "final_loss": round(sum(losses[-100:]) / max(len(losses[-100:]), 1), 4),
@@ -369,7 +379,8 @@ def main(argv=None) -> int:
                                      "target's own hidden state), free = answer tokens the grammar does not force"},
             "seconds_total": round(time.time() - t_start), "seed": args.seed,
             "command": "python scripts/train_mtp.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    save_head(head, out, card)
+    card["weights_dtype"] = args.save_dtype
+    save_head(head, out, card, dtype=getattr(torch, args.save_dtype))
     print(f"saved {out} ({card['seconds_total']} s in all)", flush=True)
     return 0
 

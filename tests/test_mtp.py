@@ -237,3 +237,30 @@ def test_checkpoint_for_another_model_is_refused(tiny_target, tiny_draft, head, 
         load_head(tiny_draft, tmp_path)
     with pytest.raises(FileNotFoundError, match="train one"):
         load_head(tiny_target, tmp_path / "nothing")
+
+
+def test_jsonschemabench_items_read_first_halves_only_and_filter_schemas(tmp_path):
+    import mtp_data
+
+    small = {"type": "object", "properties": {"a": {"type": "integer"}}, "title": "Set a"}
+    rows = [{"id": "s1", "subset": "Glaiveai2K", "schema": small},
+            {"id": "s2", "subset": "Glaiveai2K", "schema": {"type": "array", "items": {"type": "string"}}},
+            {"id": "s3", "subset": "Glaiveai2K", "schema": {"type": "object", "description": "x" * 400}}]
+    (tmp_path / "Glaiveai2K.first_half.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "Glaiveai2K.second_half.jsonl").write_text(json.dumps({**rows[0], "id": "held"}) + "\n")
+    items = mtp_data.jsonschemabench_items(tmp_path, max_schema_chars=300)
+    assert [it["id"] for it in items] == ["jsonschemabench/Glaiveai2K/s1"]  # not the array, not the long one
+    tool, message = mtp_data.schema_tool(items[0])
+    assert tool.name == "s1" and tool.parameters["properties"] == small["properties"]
+    assert message == {"role": "user", "content": "Set a"}
+
+
+def test_float16_checkpoint_halves_the_file_and_loads_the_rounded_weights(tiny_target, head, tmp_path):
+    save_head(head, tmp_path / "f32", {"target_sha256": target_sha256(tiny_target)})
+    save_head(head, tmp_path / "f16", {"target_sha256": target_sha256(tiny_target)}, dtype=torch.float16)
+    size = lambda d: (tmp_path / d / "mtp_head.safetensors").stat().st_size  # noqa: E731
+    assert size("f16") < 0.6 * size("f32")
+    loaded, _ = load_head(tiny_target, tmp_path / "f16")
+    w = loaded.proj.weight
+    assert w.dtype == head.proj.weight.dtype  # cast back to the target's dtype on load
+    assert torch.equal(w, head.proj.weight.half().to(w.dtype)) and not torch.equal(w, head.proj.weight)

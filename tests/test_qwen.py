@@ -60,9 +60,29 @@ def test_bfcl_calls_are_token_identical_across_drafters_and_validate(gen):
         agent = Agent(gen, tools, strict=False, max_string_length=200, max_decimals=8)
         messages = [m for turn in row["question"] for m in turn]
         runs = {d: agent.run(messages, tool_choice="required", max_steps=1, parallel_tool_calls=False,
-                             max_new_tokens=128, drafter=d) for d in ("none", "lookup")}
-        assert runs["none"].raw_turns == runs["lookup"].raw_turns, row["id"]
+                             max_new_tokens=128, drafter=d) for d in ("none", "lookup", "mtp")}
+        assert runs["none"].raw_turns == runs["lookup"].raw_turns == runs["mtp"].raw_turns, row["id"]
         calls, _ = agent.format.parse(runs["none"].raw_turns[0])
         for c in calls:
             agent.registry.parse_call(c)
         assert score(calls, row["ground_truth"]), (row["id"], calls)
+
+
+def test_shipped_mtp_head_for_the_default_model_loads_and_drafts_accepted_tokens(gen):
+    """The Qwen2.5-Coder-0.5B head (checkpoints/mtp-1d9614638d18024d, trained on the dev split; simple_python 0-9 are
+    in its validation split): its card names the target and the held-out test split, and on the fixture questions
+    its drafts are accepted (a floor far below the measured test-split figure: a broken head drafts ~0)."""
+    from decoding.mtp import load_head
+
+    head, card = load_head(gen.loaded)
+    assert card["target_sha256"] == gen.loaded.sha256 and "test split" in card["data"]["held_out"]
+    assert type(head.block) is type(gen.loaded.model.model.layers[0])  # Qwen2's own layer (q/k/v biases)
+    drafted = accepted = 0
+    for row in load_questions("simple_python", FIXTURES, limit=3):
+        tools = [tool_from_bfcl(fn) for fn in row["function"]]
+        agent = Agent(gen, tools, strict=False, max_string_length=200, max_decimals=8)
+        res = agent.run([m for turn in row["question"] for m in turn], tool_choice="required", max_steps=1,
+                        parallel_tool_calls=False, max_new_tokens=128, drafter="mtp")
+        drafted += res.stats.drafted
+        accepted += res.stats.accepted
+    assert drafted >= 5 and accepted / drafted >= 0.15, (accepted, drafted)
