@@ -15,8 +15,8 @@ format from ``agent.formats.make_format``) followed by an answer:
   tools, with the instance the target itself generates under the tool-call grammar (its constrained greedy turn).
 
 ``--sources`` picks the sources and their priority (the budget may run out); ``--skip-items N`` skips the first N
-items of the plan (to continue a run whose budget ran out into another directory: the plan order is fixed by
-``--seed``).
+items of the plan (to continue a run whose budget ran out into another directory, with the same ``--sources`` and
+``--seed``: N is the ``next_item`` of the first run's ``summary.json``).
 
 The prompt of a question is fed once: its answers continue from the cached prompt (KV cache cropped back), and
 consecutive prompts share their common prefix (the system prompt) the same way.
@@ -336,9 +336,11 @@ def main(argv=None) -> int:
           f"questions, {len(masks)} MaskBench schemas, {len(jsbs)} JSONSchemaBench schemas, {len(texts)} BFCL dev "
           f"irrelevance questions; {len(plan)} items to go", flush=True)
     done = 0
-    for source, item in plan:
+    next_item = args.skip_items + len(plan)  # where a later run continues (--skip-items)
+    for i, (source, item) in enumerate(plan):
         if time.time() - t_start > args.seconds:
             print("budget spent", flush=True)
+            next_item = args.skip_items + i
             break
         try:
             if source == "bfcl":
@@ -411,6 +413,7 @@ def main(argv=None) -> int:
     totals["seconds"] = round(time.time() - t_start)
     totals["items_done"] = done
     totals["skip_items"] = args.skip_items
+    totals["next_item"] = next_item
     totals["command"] = "python scripts/mtp_data.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "summary.json").write_text(json.dumps(totals, indent=2) + "\n")
     print(json.dumps(totals), flush=True)
