@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from constraints import allowed_tokens, apply_bitmask
+from constraints import allowed_among, allowed_tokens, apply_bitmask
 from schemas.errors import SpecAgentError
 
 from .loader import LoadedModel
@@ -260,6 +260,14 @@ class MTPDrafter(Drafter):
         self.outputs.extend(g)
         self.known = len(self.inputs)
 
+    def _confident(self, logits: torch.Tensor, index: int) -> bool:
+        """Whether the greedy draft ``index`` of ``logits`` (``float [n]``, ``-inf`` = masked) passes the confidence
+        stop: its softmax probability is at least ``min_confidence``. A failed check counts a stop."""
+        if self.min_confidence > 0 and float(torch.softmax(logits, -1)[index]) < self.min_confidence:
+            self.stops += 1
+            return False
+        return True
+
     @torch.inference_mode()
     def propose(self, tokens, state, bitmask_row, sampling, generator):
         need = len(tokens) - 2  # head position whose output predicts tokens[len(tokens)]
@@ -285,8 +293,7 @@ class MTPDrafter(Drafter):
         g = self.outputs[need]
         allowed = allowed_tokens(bitmask_row, self.head.target.config.vocab_size)
         if allowed.numel() > self.sparse_limit and self.cand is not None:  # score the candidates the mask allows
-            c = self.cand
-            allowed = c[((bitmask_row.to(c.device)[c >> 5] >> (c & 31)) & 1).bool()]
+            allowed = allowed_among(bitmask_row, self.cand)
             if allowed.numel() == 0:
                 self.stops += 1
                 return None
@@ -296,20 +303,14 @@ class MTPDrafter(Drafter):
             logits = self.head.logits(g, allowed).float()
             if sampling.greedy:
                 best = int(torch.argmax(logits))
-                if self.min_confidence > 0 and float(torch.softmax(logits, -1)[best]) < self.min_confidence:
-                    self.stops += 1
-                    return None
-                return int(allowed[best]), None
+                return (int(allowed[best]), None) if self._confident(logits, best) else None
             masked = torch.full((1, self.head.target.config.vocab_size), float("-inf"), device=device)
             masked[0, allowed] = logits
         else:
             masked = apply_bitmask(self.head.logits(g)[None].float(), bitmask_row[None])
-        if sampling.greedy and self.min_confidence > 0:
+        if sampling.greedy:
             best = int(torch.argmax(masked[0]))
-            if float(torch.softmax(masked[0], -1)[best]) < self.min_confidence:
-                self.stops += 1
-                return None
-            return best, None
+            return (best, None) if self._confident(masked[0], best) else None
         tok, q = pick(masked, sampling, generator)
         if self.min_confidence > 0 and q is not None and float(q[tok]) < self.min_confidence:
             self.stops += 1

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from constraints import (ConstraintError, ConstraintState, GrammarError, allocate_bitmask, allowed_tokens,
+from constraints import (ConstraintError, ConstraintState, GrammarError, allocate_bitmask, allowed_among,
+                         allowed_tokens,
                          apply_bitmask, json_schema_grammar, lark_grammar, llg_tokenizer, regex_grammar,
                          single_allowed)
 
@@ -39,6 +40,8 @@ def test_bitmask_roundtrip_and_apply():
     apply_bitmask(logits, bm)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [35]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2]
+    bm[1, 1] = -(1 << 31)  # token 63 (the sign bit of an int32 word)
+    assert allowed_among(bm[1], torch.tensor([63, 2, 1, 35, 0])).tolist() == [63, 2, 0]
 
 
 def test_bitmask_sign_bit_word_is_single_token():
