@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, ENGINES, KNOWN_MODELS
+from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTER_CHOICES, ENGINES, KNOWN_MODELS
 from schemas import SpecAgentError
 
 
@@ -42,7 +42,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-format", default=None, choices=FORMAT_NAMES,
                    help="tool-call format (default: detected from the chat template)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (for a model without one)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS)
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTER_CHOICES,
+                   help="auto (default): the drafter the model's MTP head card names (torch engine), else lookup")
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")

@@ -30,7 +30,8 @@ class EngineConfig:
     """How to decode a turn: the one place these settings and their defaults live.
 
     Attributes:
-        drafter: drafting mode, a row of ``decoding.DRAFTERS`` (default ``lookup``).
+        drafter: drafting mode, a row of ``decoding.DRAFTERS`` or ``auto`` (the default: the model's MTP card's
+            drafter where a head loads on the torch engine, else ``lookup``; ``Generator.resolve_drafter``).
         num_draft_tokens: γ, drafter tokens per speculative window (>= 0; 0 drafts schema-forced tokens only).
         adaptive: adapt γ online from the acceptance rate.
         max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded (None: no cap).
@@ -93,6 +94,7 @@ class DecodedTurn:
         stop_reason: ``eos`` (the model ended), ``grammar`` (nothing else allowed), ``length`` (budget reached),
             ``stop`` (a stop sequence).
         stats: decode statistics (a remote engine fills what the server reports).
+        drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
     """
 
     text: str
@@ -100,6 +102,7 @@ class DecodedTurn:
     is_call: bool
     stop_reason: str
     stats: DecodeStats = field(default_factory=DecodeStats)
+    drafter: str | None = None
 
     @property
     def truncated(self) -> bool:
@@ -212,7 +215,8 @@ class LocalEngine:
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
             self.format.is_call(out.text) or out.text.startswith(tuple(self.call_start_chars)))))
         calls = self.format.parse(out.text)[0] if is_call and not out.truncated else None
-        return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats)
+        return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats,
+                           self.generator.resolve_drafter(config.drafter))
 
 
 def build_engine(spec: tuple) -> Engine:

@@ -244,12 +244,13 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 def usage(turn: DecodedTurn, config: EngineConfig) -> dict:
     """OpenAI ``usage`` (``prompt_tokens_details.cached_tokens``: prompt tokens found in the KV cache) plus
-    ``speculative``: target forwards, tokens per forward, drafted/accepted/forced tokens."""
+    ``speculative``: the drafter used (``auto`` resolved), target forwards, tokens per forward, drafted/accepted/forced
+    tokens."""
     s = turn.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
             "total_tokens": s.prompt_tokens + s.new_tokens,
             "prompt_tokens_details": {"cached_tokens": s.prompt_tokens_cached},
-            "speculative": {"drafter": config.drafter, "num_draft_tokens": config.num_draft_tokens,
+            "speculative": {"drafter": turn.drafter or config.drafter, "num_draft_tokens": config.num_draft_tokens,
                             "target_forwards": s.target_forwards, "tokens_per_forward": s.tokens_per_forward,
                             "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                             "acceptance_rate": s.acceptance_rate, "forced_tokens": s.forced}}

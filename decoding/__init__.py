@@ -10,11 +10,11 @@ from .loader import (DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundErro
 from .model import CausalLM
 from .sampling import SamplingParams
 from .mtp import MTPError
-from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, check_drafter, make_drafter
+from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTER_CHOICES, DRAFTERS, check_drafter, make_drafter
 from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
-__all__ = ["CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS",
+__all__ = ["CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_CHOICES", "DRAFTERS",
            "DecodeResult", "ENGINES", "LlamaCppLM", "LlamaCppModel", "LlamaCppUnavailableError", "load_llamacpp", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
            "MTPError", "ModelNotFoundError", "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError",
            "UnsupportedModelError", "check_drafter", "decode", "load_model", "make_drafter", "speculative_decode"]

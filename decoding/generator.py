@@ -24,9 +24,9 @@ from .drafters import Drafter
 from .llamacpp import LlamaCppModel, load_llamacpp
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM, check_cache
-from .mtp import load_head
+from .mtp import MTPError, load_head
 from . import registry
-from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, check_drafter
+from .registry import AUTO, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER, check_drafter
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
@@ -92,6 +92,8 @@ class Generator:
         self._draft_spec = draft_model
         self._draft_loaded: LoadedModel | None = None
         self._mtp_head = None
+        self._mtp_card: dict = {}
+        self._auto: str | None = None  # what ``auto`` resolved to (once per generator)
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
 
@@ -124,8 +126,26 @@ class Generator:
         self._need_torch("mtp")
         with self._lock:
             if self._mtp_head is None:
-                self._mtp_head, _ = load_head(self.loaded, self.mtp_checkpoint)
+                self._mtp_head, self._mtp_card = load_head(self.loaded, self.mtp_checkpoint)
             return self._mtp_head
+
+    def resolve_drafter(self, name: str) -> str:
+        """The drafter mode ``name`` stands for: itself, or for ``auto`` the ``"drafter"`` named in the card of the
+        model's MTP head (e.g. ``lookup_mtp`` for Qwen2.5-Coder-0.5B, measured fastest on the benchmark's test
+        split) when the engine is torch and a head loads, else ``lookup``. Resolved once per generator."""
+        if name != AUTO:
+            return name
+        if self._auto is None:
+            choice = FALLBACK_DRAFTER
+            if self.engine == "torch":
+                try:
+                    self.mtp_head()
+                    named = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
+                    choice = named if named in DRAFTERS else FALLBACK_DRAFTER
+                except (FileNotFoundError, MTPError):
+                    pass
+            self._auto = choice
+        return self._auto
 
     def _need_torch(self, what: str) -> None:
         if self.engine != "torch":
@@ -168,7 +188,7 @@ class Generator:
                                          f"{limit} (prompt + new tokens): shorten the messages or the tool list")
             max_new_tokens = min(max_new_tokens, limit - len(prompt))
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
-        mode = drafter or self.drafter
+        mode = self.resolve_drafter(drafter or self.drafter)
         target = self.new_target()
         on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
         if mode == "none":

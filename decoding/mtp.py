@@ -16,7 +16,10 @@ Drafting stops early, EAGLE-2 style (Li et al. 2024, arXiv 2406.16858, §4: draf
 when the head's probability of its own token under the grammar mask falls below ``min_confidence``, or when the
 token would be drafted more than ``max_depth`` stand-ins past the target's last verified state (both chosen on the
 validation split by ``scripts/train_mtp.py``, stored in the card): a draft that is likely rejected costs head
-forwards and a verify row and ends the window anyway.
+forwards and a verify row and ends the window anyway. The confidence is calibrated per sequence
+(:meth:`MTPDrafter.calibration`): where the head is confidently wrong — a 135M target looping on ``"C:C:C:…"``,
+where nearly every confident draft is rejected — its confidence is scaled down by the sequence's own record of
+accepted against expected drafts, so drafting pauses instead of spending a verify row per rejected token.
 
 The head keeps a small KV cache for its one block, position-aligned with the sequence; after every verification
 the target's hidden states of the accepted positions (taken from the verify forward: no extra target forward)
@@ -127,7 +130,8 @@ class MTPHead(nn.Module):
     def candidates(self, prompt_tokens) -> torch.Tensor | None:
         """``int64 [n]`` the token ids the drafter scores for a sequence: the head's draft vocabulary (frequent
         answer tokens, FR-Spec style: Zhao et al. 2025, arXiv 2502.14856, §3) and the prompt's own tokens (argument
-        values are often copied). None when the head has no draft vocabulary (every allowed token is scored)."""
+        values are often copied; :class:`MTPDrafter` adds the output's tokens as they are accepted). None when the
+        head has no draft vocabulary (every allowed token is scored)."""
         if self.draft_vocab is None:
             return None
         prompt = torch.as_tensor(list(prompt_tokens), dtype=torch.long, device=self.draft_vocab.device)
@@ -209,15 +213,24 @@ class MTPDrafter(Drafter):
             ones included) past the target's last verified hidden state (None: the head's ``max_depth``). A free
             token after a long forced run (``", "arguments": {"``…) is then drafted at depth 0 in the next window,
             once the verify forward has given the target's states of the forced tokens.
+        calibration_prior: pseudo-count of the per-sequence calibration (:meth:`calibration`); ``inf`` turns it
+            off (the head's confidence is used as it is).
+        calibration_decay: factor applied to the calibration's counts after every verified window (older windows
+            weigh less, so drafting resumes after a pause).
     """
 
     name = "mtp"
     needs_hidden_states = True
 
     def __init__(self, head: MTPHead, sparse_limit: int = 512, min_confidence: float | None = None,
-                 max_depth: int | None = None):
+                 max_depth: int | None = None, calibration_prior: float = 1.0, calibration_decay: float = 0.8):
+        if not calibration_prior > 0 or not 0 < calibration_decay <= 1:
+            raise ValueError(f"need calibration_prior > 0 and 0 < calibration_decay <= 1, got {calibration_prior}, "
+                             f"{calibration_decay}")
         self.head = head
         self.sparse_limit = sparse_limit
+        self.calibration_prior = calibration_prior
+        self.calibration_decay = calibration_decay
         self.min_confidence = head.min_confidence if min_confidence is None else min_confidence
         self.max_depth = head.max_depth if max_depth is None else max_depth
         self.reset()
@@ -233,6 +246,9 @@ class MTPDrafter(Drafter):
         self.sparse_calls = 0
         self.stops = 0  # windows ended by the confidence or depth stop
         self.cand: torch.Tensor | None = None  # the sequence's candidate ids (head.candidates), set by the prefill
+        self.pending: dict[int, tuple[int, float]] = {}  # this window's proposals: position -> (token, confidence)
+        self.hits = 0.0  # the sequence's judged proposals: accepted (decayed count) ...
+        self.expected = 0.0  # ... and the sum of their confidences (decayed)
 
     def _crop(self, length: int) -> None:
         extra = self.cache.get_seq_length() - length
@@ -255,18 +271,55 @@ class MTPDrafter(Drafter):
         g = self.head(hidden[None].to(self.head.proj.weight.dtype), tok, pos, self.cache)[0]
         if start == 0:
             self.cand = self.head.candidates(next_tokens)
+            self.pending.clear()
+        else:
+            self._judge(next_tokens, start)
+            if self.cand is not None:  # the output's own tokens become candidates (a value repeated, a loop)
+                self.cand = torch.unique(torch.cat([self.cand, tok[0].to(self.cand.device)]))
         self.forwards += 1
         self.inputs.extend(next_tokens)
         self.outputs.extend(g)
         self.known = len(self.inputs)
 
-    def _confident(self, logits: torch.Tensor, index: int) -> bool:
-        """Whether the greedy draft ``index`` of ``logits`` (``float [n]``, ``-inf`` = masked) passes the confidence
-        stop: its softmax probability is at least ``min_confidence``. A failed check counts a stop."""
-        if self.min_confidence > 0 and float(torch.softmax(logits, -1)[index]) < self.min_confidence:
+    def _judge(self, next_tokens: list[int], start: int) -> None:
+        """Score this window's proposals against the tokens the target kept (accepted drafts and the bonus token
+        at positions ``start + 1 …``); proposals past them were never judged. Then decay the counts."""
+        for pos, (tok, confidence) in self.pending.items():
+            i = pos - start - 1
+            if 0 <= i < len(next_tokens):
+                self.hits += float(next_tokens[i] == tok)
+                self.expected += confidence
+        self.pending.clear()
+        self.hits *= self.calibration_decay
+        self.expected *= self.calibration_decay
+
+    def calibration(self) -> float:
+        """The factor in ``(0, 1]`` that scales the head's confidence before the confidence stop:
+        ``min(1, (accepted + prior) / (expected + prior))`` over this sequence's judged proposals, where
+        ``expected`` sums their confidences (a calibrated head keeps 1; an overconfident one on this sequence goes
+        towards its real acceptance ratio). Counts decay by ``calibration_decay`` per window."""
+        prior = self.calibration_prior
+        if prior == float("inf"):
+            return 1.0
+        return min(1.0, (self.hits + prior) / (self.expected + prior))
+
+    def _keep(self, position: int, token: int, confidence: float) -> bool:
+        """Whether to draft ``token`` at sequence ``position`` with the head's masked probability ``confidence``:
+        the calibrated confidence passes ``min_confidence`` (a failed check counts a stop). A kept proposal is
+        judged when the target has verified it (:meth:`_judge`)."""
+        if self.min_confidence > 0 and confidence * self.calibration() < self.min_confidence:
             self.stops += 1
             return False
+        self.pending[position] = (token, confidence)
         return True
+
+    def _greedy(self, position: int, logits: torch.Tensor, ids: torch.Tensor | None):
+        """The greedy proposal from ``logits`` (``float [n]``, ``-inf`` = masked) over ``ids`` (None: the vocabulary
+        ids themselves), or None when the confidence stop ends the window."""
+        best = int(torch.argmax(logits))
+        token = best if ids is None else int(ids[best])
+        confidence = float(torch.softmax(logits, -1)[best]) if self.min_confidence > 0 else 1.0
+        return (token, None) if self._keep(position, token, confidence) else None
 
     @torch.inference_mode()
     def propose(self, tokens, state, bitmask_row, sampling, generator):
@@ -302,17 +355,14 @@ class MTPDrafter(Drafter):
             allowed = allowed.to(device)
             logits = self.head.logits(g, allowed).float()
             if sampling.greedy:
-                best = int(torch.argmax(logits))
-                return (int(allowed[best]), None) if self._confident(logits, best) else None
+                return self._greedy(len(tokens), logits, allowed)
             masked = torch.full((1, self.head.target.config.vocab_size), float("-inf"), device=device)
             masked[0, allowed] = logits
         else:
             masked = apply_bitmask(self.head.logits(g)[None].float(), bitmask_row[None])
         if sampling.greedy:
-            best = int(torch.argmax(masked[0]))
-            return (best, None) if self._confident(masked[0], best) else None
+            return self._greedy(len(tokens), masked[0], None)
         tok, q = pick(masked, sampling, generator)
-        if self.min_confidence > 0 and q is not None and float(q[tok]) < self.min_confidence:
-            self.stops += 1
+        if q is not None and not self._keep(len(tokens), tok, float(q[tok])):
             return None
         return tok, q

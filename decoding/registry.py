@@ -31,18 +31,24 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "mtp": lambda gen: MTPDrafter(gen.mtp_head()),
     "lookup_mtp": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(gen.mtp_head())]),
 }
-DEFAULT_DRAFTER = "lookup"
+# ``auto``: the drafter the model's MTP head card names (``"drafter"``, the fastest on the benchmark's test split),
+# where a head loads on the torch engine; else ``lookup`` (resolved by ``Generator.resolve_drafter``)
+AUTO = "auto"
+FALLBACK_DRAFTER = "lookup"
+DEFAULT_DRAFTER = AUTO
+DRAFTER_CHOICES = (AUTO, *DRAFTERS)
 DEFAULT_NUM_DRAFT_TOKENS = 4  # γ, drafter tokens per speculative window
 
 
 def check_drafter(name: str) -> None:
-    """Raise ``ValueError`` naming the choices unless ``name`` is a row of :data:`DRAFTERS`."""
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    """Raise ``ValueError`` naming the choices unless ``name`` is ``auto`` or a row of :data:`DRAFTERS`."""
+    if name not in DRAFTER_CHOICES:
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_CHOICES)}")
 
 
 def make_drafter(name: str, generator: "Generator") -> Drafter | None:
-    """A fresh drafter for mode ``name`` (None for ``none`` / ``forced``). Raises ``ValueError`` for an unknown
-    name, and whatever the factory raises (no draft model, no MTP checkpoint)."""
+    """A fresh drafter for mode ``name`` (``auto`` resolved for the generator's model; None for ``none`` /
+    ``forced``). Raises ``ValueError`` for an unknown name, and whatever the factory raises (no draft model, no MTP
+    checkpoint)."""
     check_drafter(name)
-    return DRAFTERS[name](generator)
+    return DRAFTERS[generator.resolve_drafter(name)](generator)

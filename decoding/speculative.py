@@ -266,8 +266,11 @@ def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintSta
         drafter.reset()
     needs_hidden = drafter is not None and drafter.needs_hidden_states  # an MTP head is seeded with target states
     run = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1, hidden=needs_hidden)
-    if run.hidden is not None:
+    if run.hidden is not None:  # the MTP head's prefill: its cache over the prompt (counted as prefill time)
+        t0 = time.perf_counter()
         drafter.observe(run.hidden, prompt[1:], 0)
+        target.synchronize()
+        run.stats.prefill_seconds += time.perf_counter() - t0
     stats, cur, gen = run.stats, run.cur, run.generator
     seq = list(prompt)
     tokens: list[int] = []

@@ -17,8 +17,9 @@ class DecodeStats:
         accepted: drafted tokens the target accepted.
         forced: schema-forced tokens (the mask allowed exactly one token), accepted without a drafter call.
         drafted_by_position / accepted_by_position: per draft position in the window (0 = first drafted token).
-        seconds: wall time of the decode (s), prefill included; ``prefill_seconds``, ``draft_seconds``,
-            ``verify_seconds``, ``mask_seconds`` split it (mask time is also inside draft time).
+        seconds: wall time of the decode (s), prefill included; ``prefill_seconds`` (the target's prompt forward,
+            and an MTP head's pass over the prompt), ``draft_seconds``, ``verify_seconds``, ``mask_seconds`` split it
+            (mask time is also inside draft time).
     """
 
     prompt_tokens: int = 0

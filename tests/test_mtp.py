@@ -205,7 +205,7 @@ def test_draft_vocabulary_limits_proposals_to_candidates_keeps_identity_and_roun
             def propose(self, tokens, state, row, sampling, generator):
                 out = super().propose(tokens, state, row, sampling, generator)
                 if out is not None and int(allowed_tokens(row, tiny_target.vocab_size).numel()) > self.sparse_limit:
-                    proposed.append((out[0], set(tokens[:len(prompt)])))
+                    proposed.append((out[0], set(tokens)))  # the prompt's and the output's tokens are candidates
                 return out
 
         res = speculative_decode(CausalLM(tiny_target), prompt, gen.new_state(grammar),
@@ -215,6 +215,105 @@ def test_draft_vocabulary_limits_proposals_to_candidates_keeps_identity_and_roun
     assert drafted and proposed and all(30 <= t < 3000 or t in p for t, p in proposed)
     save_head(head, tmp_path, {"target_sha256": target_sha256(tiny_target)})
     assert torch.equal(load_head(tiny_target, tmp_path)[0].draft_vocab, head.draft_vocab)
+
+
+def test_output_tokens_become_candidates_as_they_are_accepted(tiny_target):
+    torch.manual_seed(0)
+    head = MTPHead(tiny_target.model).eval()
+    head.draft_vocab = torch.arange(30, 40)
+    tok = tiny_target.tokenizer
+    prompt = tok.encode(PROMPTS[0], add_special_tokens=False)
+    observed: list[int] = []
+
+    class Recording(MTPDrafter):
+        def observe(self, hidden, next_tokens, start):
+            super().observe(hidden, next_tokens, start)
+            if start:
+                observed.extend(next_tokens)  # accepted drafts and bonus tokens (the final window is never fed)
+
+    drafter = Recording(head, sparse_limit=8)
+    res = speculative_decode(CausalLM(tiny_target), prompt, Generator(tiny_target).new_state(
+        json_schema_grammar(random_schema(random.Random(5)))), drafter, num_draft_tokens=4, max_new_tokens=40)
+    cand = set(drafter.cand.tolist())
+    assert set(range(30, 40)) | set(prompt[1:]) <= cand  # the prompt's tokens after the first (fed to the head)
+    assert observed == res.tokens[:len(observed)] and set(observed) - set(prompt) and set(observed) <= cand
+
+
+def test_calibration_pauses_a_confidently_wrong_head_and_resumes_after_decay(tiny_target):
+    head = MTPHead(tiny_target.model, min_confidence=0.3).eval()
+    d = MTPDrafter(head, calibration_prior=2.0, calibration_decay=0.9)
+    assert d.calibration() == 1.0 and d._keep(10, 5, 0.9)
+    d._keep(11, 6, 0.9)
+    d._keep(12, 7, 0.9)
+    d._judge([5, 9], start=9)  # 5 accepted at 10, bonus 9 at 11 rejects 6, 12 never judged
+    assert d.hits == pytest.approx(0.9) and d.expected == pytest.approx(1.62) and not d.pending
+    assert d.calibration() == pytest.approx((0.9 + 2) / (1.62 + 2))
+    windows = 0
+    while d._keep(100 + windows, 1, 0.9):  # confident drafts, every one rejected
+        d._judge([2], start=99 + windows)
+        windows += 1
+    assert 2 <= windows <= 10 and d.stops == 1  # paused: 0.9 × calibration < 0.3
+    waited = 0
+    while not d._keep(200, 1, 0.9):  # windows without proposals: the counts decay, the prior wins again
+        d._judge([], start=0)
+        waited += 1
+    assert 1 <= waited <= 30
+    off = MTPDrafter(head, calibration_prior=float("inf"))
+    off.expected = 50.0
+    assert off.calibration() == 1.0 and off._keep(0, 1, 0.31)
+    with pytest.raises(ValueError, match="calibration"):
+        MTPDrafter(head, calibration_decay=0.0)
+
+
+def test_calibration_keeps_greedy_identity_and_never_drafts_more(tiny_target):
+    tok = tiny_target.tokenizer
+    gen = Generator(tiny_target)
+    class Sharp(MTPHead):  # a random head made confident: confidently wrong, as on a loop it never saw
+        def logits(self, g, token_ids=None):
+            return 50.0 * super().logits(g, token_ids)
+
+    torch.manual_seed(1)
+    head = Sharp(tiny_target.model, min_confidence=0.3).eval()
+    drafted = {}
+    for prior in (float("inf"), 0.5):
+        drafted[prior] = 0
+        for i in range(3):
+            grammar = json_schema_grammar(random_schema(random.Random(40 + i)))
+            prompt = tok.encode(PROMPTS[i], add_special_tokens=False)
+            ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=60)
+            res = speculative_decode(CausalLM(tiny_target), prompt, gen.new_state(grammar),
+                                     MTPDrafter(head, calibration_prior=prior), num_draft_tokens=4,
+                                     max_new_tokens=60)
+            assert res.tokens == ref.tokens
+            drafted[prior] += res.stats.drafted
+    assert 0 < drafted[0.5] < drafted[float("inf")]
+
+
+def test_auto_drafter_is_the_cards_drafter_where_a_head_loads_else_lookup(tiny_target, head, tmp_path):
+    from decoding import ChainDrafter, check_drafter
+
+    tok = tiny_target.tokenizer
+    prompt = tok.encode(PROMPTS[1], add_special_tokens=False)
+    grammar = json_schema_grammar(random_schema(random.Random(3)))
+    no_head = Generator(tiny_target)
+    no_head.mtp_checkpoint = tmp_path / "missing"
+    assert no_head.drafter == "auto" and no_head.resolve_drafter("auto") == "lookup"
+    for named, expect in [("lookup_mtp", "lookup_mtp"), ("no_such_drafter", "lookup")]:
+        save_head(head, tmp_path / named, {"target_sha256": target_sha256(tiny_target), "drafter": named})
+        gen = Generator(tiny_target)
+        gen.mtp_checkpoint = tmp_path / named
+        assert gen.resolve_drafter("auto") == expect and gen.resolve_drafter("mtp") == "mtp"
+    drafter = gen.make_drafter("auto")  # the last card names no drafter: lookup
+    assert isinstance(drafter, ChainDrafter) and not drafter.needs_hidden_states
+    gen = Generator(tiny_target)
+    gen.mtp_checkpoint = tmp_path / "lookup_mtp"
+    drafter = gen.make_drafter("auto")
+    assert any(isinstance(d, MTPDrafter) for d in drafter.drafters)
+    ref = gen.generate(prompt, grammar, drafter="none", max_new_tokens=40)
+    res = gen.generate(prompt, grammar, max_new_tokens=40)  # the generator's default: auto
+    assert res.tokens == ref.tokens
+    with pytest.raises(ValueError, match="auto"):
+        check_drafter("automatic")
 
 
 def test_card_sets_stand_in_and_confidence_stop_and_old_cards_keep_the_raw_stand_in(tiny_target, head, tmp_path):
