@@ -99,7 +99,7 @@ def cmd_demo(args) -> int:
     agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
     where = "llama.cpp (CPU)" if agent.generator.engine == "llamacpp" else f"torch on {args.device}"
     print(f"model: {agent.generator.loaded.name}, {where} ({time.perf_counter() - t:.1f} s to load); "
-          f"drafter: {args.drafter}; tools: {', '.join(agent.registry.names)}")
+          f"drafter: {_drafter_label(agent.generator, args.drafter)}; tools: {', '.join(agent.registry.names)}")
     for prompt in PROMPTS:
         res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
         _print_run(prompt, res)
@@ -143,6 +143,12 @@ def _config(args):
                         max_new_tokens=args.max_new_tokens)
 
 
+def _drafter_label(generator, name: str) -> str:
+    """``name``, with what ``auto`` resolves to for this model (e.g. ``auto (lookup_mtp)``)."""
+    resolved = generator.resolve_drafter(name)
+    return name if resolved == name else f"{name} ({resolved})"
+
+
 def cmd_bfcl(args) -> int:
     from .agent import Agent
     from .bfcl import CATEGORIES, run_bfcl, summary_table
@@ -168,7 +174,8 @@ def cmd_bfcl(args) -> int:
                 raise SystemExit(f"bfcl {category}: {e}") from None
             summaries.append({"category": category, "split": args.split, "error": str(e).split(";")[0]})
     if len(categories) > 1:
-        print(f"\nmodel {engine.name}, drafter {args.drafter}, split {args.split}, limit {args.limit}")
+        print(f"\nmodel {engine.name}, drafter {_drafter_label(engine.generator, args.drafter)}, split {args.split}, "
+              f"limit {args.limit}")
         print(summary_table(summaries))
     return 0
 
