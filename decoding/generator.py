@@ -4,10 +4,11 @@ Drafting modes (``drafter=``, the rows of :data:`decoding.registry.DRAFTERS`):
     ``none``         non-speculative reference: one token per target forward.
     ``forced``       speculative with schema-forced tokens only (the mask allows exactly one token).
     ``schema``       forced + llguidance fast-forward tokens proposed as drafts.
-    ``lookup``       forced + fast-forward + prompt lookup (the default).
+    ``lookup``       forced + fast-forward + prompt lookup.
     ``draft_model``  forced + fast-forward + a smaller draft model with the same tokenizer.
     ``mtp``          forced + the model's trained MTP head (``decoding/mtp.py``) drafting every other token.
     ``lookup_mtp``   forced + fast-forward + prompt lookup, and the MTP head where lookup finds nothing.
+    ``auto``         the default: what the model's MTP card names (``resolve_drafter``), else ``lookup``.
 
 Each ``generate`` call builds its own KV caches and drafter state, so one Generator serves several threads.
 """
@@ -26,7 +27,8 @@ from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import CausalLM, check_cache
 from .mtp import MTPError, load_head
 from . import registry
-from .registry import AUTO, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER, check_drafter
+from .registry import (AUTO, CARD_DRAFTERS, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER,
+                       check_drafter)
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
@@ -132,7 +134,11 @@ class Generator:
     def resolve_drafter(self, name: str) -> str:
         """The drafter mode ``name`` stands for: itself, or for ``auto`` the ``"drafter"`` named in the card of the
         model's MTP head (e.g. ``lookup_mtp`` for Qwen2.5-Coder-0.5B, measured fastest on the benchmark's test
-        split) when the engine is torch and a head loads, else ``lookup``. Resolved once per generator."""
+        split) when the engine is torch and a head loads, else ``lookup``. Resolved once per generator.
+
+        Raises:
+            MTPError: the card names something other than one of ``decoding.registry.CARD_DRAFTERS``.
+        """
         if name != AUTO:
             return name
         if self._auto is None:
@@ -140,10 +146,12 @@ class Generator:
             if self.engine == "torch":
                 try:
                     self.mtp_head()
-                    named = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
-                    choice = named if named in DRAFTERS else FALLBACK_DRAFTER
-                except (FileNotFoundError, MTPError):
-                    pass
+                except FileNotFoundError:  # no head for this model: lookup
+                    self._mtp_card = {}
+                choice = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
+                if choice not in CARD_DRAFTERS:
+                    raise MTPError(f"the MTP card of {self.loaded.name} names drafter {choice!r}; a card may name "
+                                   f"{', '.join(CARD_DRAFTERS)}")
             self._auto = choice
         return self._auto
 

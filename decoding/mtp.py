@@ -40,7 +40,7 @@ from schemas.errors import SpecAgentError
 
 from .loader import LoadedModel
 from .drafters import Drafter
-from .sampling import pick
+from .sampling import probs_from_logits, sample
 
 DEFAULT_CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
@@ -208,7 +208,8 @@ class MTPDrafter(Drafter):
 
     Args:
         min_confidence: stop the window (``propose`` returns None) when the masked, renormalised head probability
-            of the drafted token is below this (None: the head's own ``min_confidence``, from its card).
+            (times :meth:`calibration`) is below this — greedy: of the drafted token; sampled: q's largest, decided
+            before the draw so the draft stays a draw from q (None: the head's own ``min_confidence``, from its card).
         max_depth: stop the window instead of drafting a token more than this many drafted positions (forced
             ones included) past the target's last verified hidden state (None: the head's ``max_depth``). A free
             token after a long forced run (``", "arguments": {"``…) is then drafted at depth 0 in the next window,
@@ -362,7 +363,13 @@ class MTPDrafter(Drafter):
             masked = apply_bitmask(self.head.logits(g)[None].float(), bitmask_row[None])
         if sampling.greedy:
             return self._greedy(len(tokens), masked[0], None)
-        tok, q = pick(masked, sampling, generator)
-        if q is not None and not self._keep(len(tokens), tok, float(q[tok])):
+        # sampled: the stop is decided before the draw, from q alone (its largest probability), so a drafted token
+        # is a draw from the whole q that verification divides by; a stop that looked at the drawn token would
+        # draft from q cut to its confident tokens and bias the output (Leviathan et al. need the q drawn from)
+        q = probs_from_logits(masked, sampling)[0]
+        if self.min_confidence > 0 and float(q.max()) * self.calibration() < self.min_confidence:
+            self.stops += 1
             return None
+        tok = sample(q, generator)
+        self.pending[len(tokens)] = (tok, float(q[tok]))
         return tok, q

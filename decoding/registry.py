@@ -37,6 +37,8 @@ AUTO = "auto"
 FALLBACK_DRAFTER = "lookup"
 DEFAULT_DRAFTER = AUTO
 DRAFTER_CHOICES = (AUTO, *DRAFTERS)
+# what an MTP card's "drafter" may name (``draft_model`` needs a second model, which a card cannot supply)
+CARD_DRAFTERS = tuple(d for d in DRAFTERS if d != "draft_model")
 DEFAULT_NUM_DRAFT_TOKENS = 4  # γ, drafter tokens per speculative window
 
 

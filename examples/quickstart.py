@@ -18,7 +18,7 @@ def get_stock_price(ticker: str, currency: Literal["USD", "EUR"] = "USD") -> dic
     return {"ticker": ticker, "price": prices.get(ticker.upper(), 100.0), "currency": currency}
 
 
-agent = Agent(tools=[get_stock_price])  # default model: Qwen2.5-Coder-0.5B-Instruct; default drafter: lookup
+agent = Agent(tools=[get_stock_price])  # default model Qwen2.5-Coder-0.5B-Instruct, drafter auto
 result = agent.run("What is the price of AAPL in USD?", tool_choice="required")
 for rec in result.tool_calls:
     print("call:", rec.call.name, rec.call.arguments, "->", rec.result)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from decoding.mtp import MTPHead, save_head, target_sha256  # noqa: E402
+from decoding.registry import CARD_DRAFTERS  # noqa: E402
 
 
 # -- data --------------------------------------------------------------------------------------------------------------
@@ -302,6 +303,9 @@ def main(argv=None) -> int:
                          "allowed token)")
     ap.add_argument("--save-dtype", choices=("float32", "float16"), default="float32",
                     help="dtype the weights are stored in (float16 halves the checkpoint)")
+    ap.add_argument("--drafter", choices=CARD_DRAFTERS, default=None,
+                    help="the card's 'drafter': what the default drafter 'auto' uses with this head (default: the one "
+                         "in the card already at --out, else lookup; set it from the benchmark)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -380,6 +384,9 @@ def main(argv=None) -> int:
             "seconds_total": round(time.time() - t_start), "seed": args.seed,
             "command": "python scripts/train_mtp.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     card["weights_dtype"] = args.save_dtype
+    old_card = out / "mtp_head.json"
+    card["drafter"] = args.drafter or (json.loads(old_card.read_text()).get("drafter", "lookup")
+                                       if old_card.exists() else "lookup")
     save_head(head, out, card, dtype=getattr(torch, args.save_dtype))
     print(f"saved {out} ({card['seconds_total']} s in all)", flush=True)
     return 0

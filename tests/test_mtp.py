@@ -298,11 +298,17 @@ def test_auto_drafter_is_the_cards_drafter_where_a_head_loads_else_lookup(tiny_t
     no_head = Generator(tiny_target)
     no_head.mtp_checkpoint = tmp_path / "missing"
     assert no_head.drafter == "auto" and no_head.resolve_drafter("auto") == "lookup"
-    for named, expect in [("lookup_mtp", "lookup_mtp"), ("no_such_drafter", "lookup")]:
-        save_head(head, tmp_path / named, {"target_sha256": target_sha256(tiny_target), "drafter": named})
+    for named in ("lookup_mtp", "lookup-mtp", "draft_model", None):
+        card = {"target_sha256": target_sha256(tiny_target)} | ({"drafter": named} if named else {})
+        save_head(head, tmp_path / str(named), card)
         gen = Generator(tiny_target)
-        gen.mtp_checkpoint = tmp_path / named
-        assert gen.resolve_drafter("auto") == expect and gen.resolve_drafter("mtp") == "mtp"
+        gen.mtp_checkpoint = tmp_path / str(named)
+        assert gen.resolve_drafter("mtp") == "mtp"
+        if named in ("lookup-mtp", "draft_model"):  # a typo, or a drafter a card cannot supply: a clear error
+            with pytest.raises(MTPError, match=f"names drafter '{named}'"):
+                gen.resolve_drafter("auto")
+        else:
+            assert gen.resolve_drafter("auto") == (named or "lookup")
     drafter = gen.make_drafter("auto")  # the last card names no drafter: lookup
     assert isinstance(drafter, ChainDrafter) and not drafter.needs_hidden_states
     gen = Generator(tiny_target)

@@ -137,6 +137,38 @@ def test_speculative_sampling_has_the_constrained_distribution(char_tokenizer, d
     assert tv < TV_BOUND, (tv, sorted(exact.items(), key=lambda kv: -kv[1])[:5], counts.most_common(5))
 
 
+def test_mtp_sampled_confidence_stop_is_decided_before_the_draw(char_tokenizer):
+    """A sampled draft must be a draw from the whole q that verification divides by: a confidence stop that looked
+    at the drawn token (q[token] < min_confidence) would draft from q cut to its confident tokens and bias the
+    output (p = (.5, .5), q = (.9, .1), threshold .5 gives (.55, .45)). So the stop depends on q alone."""
+    from decoding.decoder import start_decode
+
+    tok, llt = char_tokenizer
+    target = loaded_model(char_model(len(tok.tokens), 11), "t")
+    prompt = tok("ab:")
+    torch.manual_seed(5)
+    head = MTPHead(target.model).eval()
+    sampling = SamplingParams(temperature=1.0, seed=0)
+
+    def proposals(min_confidence: float, seeds: range):
+        state = ConstraintState(llt, regex_grammar("[ab]{2,3}"))
+        run = start_decode(CausalLM(target), prompt, state, sampling, None, rows=2, hidden=True)
+        drafter = MTPDrafter(head, min_confidence=min_confidence)
+        drafter.observe(run.hidden, prompt[1:], 0)
+        state.fill_bitmask(run.bitmask, 0)
+        return [drafter.propose(prompt, state, run.bitmask[0], sampling, torch.Generator().manual_seed(i))
+                for i in seeds]
+
+    q = proposals(0.0, range(1))[0][1]
+    lo, hi = float(q[q > 0].min()), float(q.max())
+    assert int((q > 0).sum()) >= 2 and hi - lo > 0.02  # several allowed tokens, unequal
+    threshold = (lo + hi) / 2  # between the least and the most likely token's probability
+    out = proposals(threshold, range(60))
+    assert all(o is not None for o in out)  # q's largest probability passes: every draw is drafted ...
+    assert any(float(q[o[0]]) < threshold for o in out)  # ... the unlikely tokens too
+    assert all(o is None for o in proposals(hi + 0.01, range(5)))  # above q's largest: never drafted
+
+
 # -- 6. MTP drafter: every proposal equals a from-scratch recomputation --------------------------------------------
 class RecomputingMTPDrafter(MTPDrafter):
     """Checks each proposal's q against the head run from scratch (no caches) on the target's own hidden states."""
