@@ -172,6 +172,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
 
     engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, engine=engine, threads=threads)
     app = create_app(engine, model_name=model, config=config, max_waiting=max_waiting, concurrency=concurrency)
-    print(f"serving {engine.name} as model {model!r} on http://{host}:{port}/v1 (drafter {engine.generator.resolve_drafter(config.drafter)}, "
+    drafter = engine.generator.resolve_drafter(config.drafter)
+    print(f"serving {engine.name} as model {model!r} on http://{host}:{port}/v1 (drafter {drafter}, "
           f"γ {config.num_draft_tokens})", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="info")

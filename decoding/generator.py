@@ -146,8 +146,8 @@ class Generator:
             if self.engine == "torch":
                 try:
                     self.mtp_head()
-                except FileNotFoundError:  # no head for this model: lookup
-                    self._mtp_card = {}
+                except FileNotFoundError:  # no head for this model: its card stays {}, so lookup
+                    pass
                 choice = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
                 if choice not in CARD_DRAFTERS:
                     raise MTPError(f"the MTP card of {self.loaded.name} names drafter {choice!r}; a card may name "

@@ -272,7 +272,6 @@ class MTPDrafter(Drafter):
         g = self.head(hidden[None].to(self.head.proj.weight.dtype), tok, pos, self.cache)[0]
         if start == 0:
             self.cand = self.head.candidates(next_tokens)
-            self.pending.clear()
         else:
             self._judge(next_tokens, start)
             if self.cand is not None:  # the output's own tokens become candidates (a value repeated, a loop)
@@ -304,15 +303,13 @@ class MTPDrafter(Drafter):
             return 1.0
         return min(1.0, (self.hits + prior) / (self.expected + prior))
 
-    def _keep(self, position: int, token: int, confidence: float) -> bool:
-        """Whether to draft ``token`` at sequence ``position`` with the head's masked probability ``confidence``:
-        the calibrated confidence passes ``min_confidence`` (a failed check counts a stop). A kept proposal is
-        judged when the target has verified it (:meth:`_judge`)."""
+    def _stop(self, confidence: float) -> bool:
+        """Whether the confidence stop ends the window: ``confidence`` (a masked head probability) times
+        :meth:`calibration` is below ``min_confidence``. A stop is counted."""
         if self.min_confidence > 0 and confidence * self.calibration() < self.min_confidence:
             self.stops += 1
-            return False
-        self.pending[position] = (token, confidence)
-        return True
+            return True
+        return False
 
     def _greedy(self, position: int, logits: torch.Tensor, ids: torch.Tensor | None):
         """The greedy proposal from ``logits`` (``float [n]``, ``-inf`` = masked) over ``ids`` (None: the vocabulary
@@ -320,7 +317,10 @@ class MTPDrafter(Drafter):
         best = int(torch.argmax(logits))
         token = best if ids is None else int(ids[best])
         confidence = float(torch.softmax(logits, -1)[best]) if self.min_confidence > 0 else 1.0
-        return (token, None) if self._keep(position, token, confidence) else None
+        if self._stop(confidence):
+            return None
+        self.pending[position] = (token, confidence)  # judged once the target has verified it (_judge)
+        return token, None
 
     @torch.inference_mode()
     def propose(self, tokens, state, bitmask_row, sampling, generator):
@@ -367,8 +367,7 @@ class MTPDrafter(Drafter):
         # is a draw from the whole q that verification divides by; a stop that looked at the drawn token would
         # draft from q cut to its confident tokens and bias the output (Leviathan et al. need the q drawn from)
         q = probs_from_logits(masked, sampling)[0]
-        if self.min_confidence > 0 and float(q.max()) * self.calibration() < self.min_confidence:
-            self.stops += 1
+        if self._stop(float(q.max())):
             return None
         tok = sample(q, generator)
         self.pending[len(tokens)] = (tok, float(q[tok]))

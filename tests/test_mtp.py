@@ -242,25 +242,32 @@ def test_output_tokens_become_candidates_as_they_are_accepted(tiny_target):
 def test_calibration_pauses_a_confidently_wrong_head_and_resumes_after_decay(tiny_target):
     head = MTPHead(tiny_target.model, min_confidence=0.3).eval()
     d = MTPDrafter(head, calibration_prior=2.0, calibration_decay=0.9)
-    assert d.calibration() == 1.0 and d._keep(10, 5, 0.9)
-    d._keep(11, 6, 0.9)
-    d._keep(12, 7, 0.9)
+
+    def draft(position, token, confidence):  # what propose does with a greedy proposal
+        if d._stop(confidence):
+            return False
+        d.pending[position] = (token, confidence)
+        return True
+
+    assert d.calibration() == 1.0 and draft(10, 5, 0.9)
+    draft(11, 6, 0.9)
+    draft(12, 7, 0.9)
     d._judge([5, 9], start=9)  # 5 accepted at 10, bonus 9 at 11 rejects 6, 12 never judged
     assert d.hits == pytest.approx(0.9) and d.expected == pytest.approx(1.62) and not d.pending
     assert d.calibration() == pytest.approx((0.9 + 2) / (1.62 + 2))
     windows = 0
-    while d._keep(100 + windows, 1, 0.9):  # confident drafts, every one rejected
+    while draft(100 + windows, 1, 0.9):  # confident drafts, every one rejected
         d._judge([2], start=99 + windows)
         windows += 1
     assert 2 <= windows <= 10 and d.stops == 1  # paused: 0.9 × calibration < 0.3
     waited = 0
-    while not d._keep(200, 1, 0.9):  # windows without proposals: the counts decay, the prior wins again
+    while not draft(200, 1, 0.9):  # windows without proposals: the counts decay, the prior wins again
         d._judge([], start=0)
         waited += 1
     assert 1 <= waited <= 30
     off = MTPDrafter(head, calibration_prior=float("inf"))
     off.expected = 50.0
-    assert off.calibration() == 1.0 and off._keep(0, 1, 0.31)
+    assert off.calibration() == 1.0 and not off._stop(0.31)
     with pytest.raises(ValueError, match="calibration"):
         MTPDrafter(head, calibration_decay=0.0)
 
