@@ -1,7 +1,7 @@
 # make demo   — set everything up (idempotent), install the default model and run the demo on it
 # make test   — set everything up and run the test suite (SmolLM2-135M only; slow model tests: make test-slow)
 # make models — install both Qwen2.5-Coder models (0.5B: 491 MB, the default; 1.5B: 1.1 GB)
-# make setup-llamacpp — build llama-cpp-python for the llama.cpp engine (~10 min on 2 cores, once: the wheel is cached)
+# make setup-llamacpp — build llama-cpp-python for the llama.cpp backend (~10 min on 2 cores, once: the wheel is cached)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -55,7 +55,7 @@ bfcl: setup model-default
 bench: setup
 	$(PY) -m bench.run --limit 20 --repeat 3 --out bench/results/
 
-# the llama.cpp engine against llama.cpp's own generation and the torch engine (BFCL test split, never tuned on)
+# the llama.cpp backend against llama.cpp's own generation and the torch backend (BFCL test split, never tuned on)
 bench-llamacpp: setup setup-llamacpp model-default
 	$(PY) -m bench.run --model smollm2 --modes llamacpp --split test --limit 10 --repeat 1 --threads 1 \
 	  --max-new-tokens 256 --out bench/results/llamacpp/smollm2/

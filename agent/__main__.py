@@ -7,7 +7,8 @@ import json
 import sys
 import time
 
-from decoding import DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTER_CHOICES, ENGINES, KNOWN_MODELS
+from decoding import (BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, KNOWN_MODELS,
+                      drafter_choices)
 from schemas import SpecAgentError
 
 
@@ -30,31 +31,29 @@ def tool_choice_arg(text: str):
     return {"name": name}
 
 
-FORMAT_NAMES = ("hermes", "llama3_json", "generic")
-
-from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH
-
-
 def _common(p: argparse.ArgumentParser) -> None:
+    from .formats import FORMATS  # read when the parser is built: a new row of the table is a new choice
+
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias ({', '.join(KNOWN_MODELS)}), HF directory, HF id in the local cache or .gguf path "
                         f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--tool-format", default=None, choices=FORMAT_NAMES,
+    p.add_argument("--tool-format", default=None, choices=tuple(FORMATS),
                    help="tool-call format (default: detected from the chat template)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (for a model without one)")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTER_CHOICES,
-                   help="auto (default): the drafter the model's MTP head card names (torch engine), else lookup")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=drafter_choices(),
+                   help="auto (default): the drafter the model's MTP head card names (where the backend runs the "
+                        "head), else lookup; " + "; ".join(f"{n}: {row.summary}" for n, row in DRAFTERS.items()))
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
-    p.add_argument("--engine", default="torch", choices=ENGINES,
-                   help="torch: transformers (fp32/bf16, CPU or CUDA); llamacpp: llama.cpp's CPU kernels on the GGUF "
-                        "as shipped (needs `make setup-llamacpp`)")
+    p.add_argument("--backend", "--engine", dest="backend", default=DEFAULT_BACKEND, choices=tuple(BACKENDS),
+                   help="what runs the model (--engine is an alias): "
+                        + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of the llama.cpp engine (default 1: bit-identical verify rows, so greedy "
+                   help="CPU threads of the llama.cpp backend (default 1: bit-identical verify rows, so greedy "
                         "speculative output equals one token per forward; more threads are faster but may flip near-ties)")
-    p.add_argument("--device", default="cpu", help="torch engine: cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", help="torch engine: float32, bfloat16, float16")
+    p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
@@ -63,12 +62,12 @@ def _agent(args, tools, **kwargs):
 
     return Agent(args.model, tools, drafter=args.drafter, num_draft_tokens=args.num_draft_tokens,
                  adaptive=args.adaptive, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-                 tool_format=args.tool_format, chat_template=args.chat_template, **_engine_args(args), **kwargs)
+                 tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args), **kwargs)
 
 
-def _engine_args(args) -> dict:
-    """``engine``/``threads`` keyword arguments (None where the user kept the default)."""
-    return {"engine": args.engine if args.engine != "torch" else None, "threads": args.threads}
+def _backend_args(args) -> dict:
+    """``backend``/``threads`` keyword arguments (None where the user kept the default)."""
+    return {"backend": args.backend if args.backend != DEFAULT_BACKEND else None, "threads": args.threads}
 
 
 def _print_run(prompt: str, res) -> None:
@@ -97,7 +96,7 @@ def cmd_demo(args) -> int:
     t = time.perf_counter()
     # bounded strings and numbers in the grammar: a 135M model can otherwise run on inside a value
     agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
-    where = "llama.cpp (CPU)" if agent.generator.engine == "llamacpp" else f"torch on {args.device}"
+    where = agent.generator.backend.describe(agent.generator.loaded)
     print(f"model: {agent.generator.loaded.name}, {where} ({time.perf_counter() - t:.1f} s to load); "
           f"drafter: {_drafter_label(agent.generator, args.drafter)}; tools: {', '.join(agent.registry.names)}")
     for prompt in PROMPTS:
@@ -125,7 +124,7 @@ def load_tools(spec: str) -> list:
 def cmd_run(args) -> int:
     from schemas import ToolRegistry
 
-    from .format import filter_tools
+    from .tool_choice import filter_tools
 
     tools = load_tools(args.tools)
     filter_tools(ToolRegistry(tools), args.tool_choice)  # an unknown tool name fails before the model loads
@@ -150,13 +149,19 @@ def _drafter_label(generator, name: str) -> str:
 
 
 def cmd_bfcl(args) -> int:
+    # the benchmark's runner and scorer live in bench/, outside the product packages: imported only here
+    from bench.bfcl import CATEGORIES, MAX_DECIMALS, MAX_STRING_LENGTH, run_bfcl, summary_table
+
     from .agent import Agent
-    from .bfcl import CATEGORIES, run_bfcl, summary_table
     from .engine import LocalEngine
     from .formats import ToolFormatError
 
+    if args.max_string_length is None:
+        args.max_string_length = MAX_STRING_LENGTH
+    if args.max_decimals is None:
+        args.max_decimals = MAX_DECIMALS
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-                         tool_format=args.tool_format, chat_template=args.chat_template, **_engine_args(args))
+                         tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args)
 
     def factory(tools):
@@ -185,11 +190,12 @@ def cmd_serve(args) -> int:
 
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
           concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-          **_engine_args(args))
+          **_backend_args(args))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (choices such as ``--tool-format`` read from their tables now)."""
     ap = argparse.ArgumentParser(prog="python -m agent", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="three example tools, three prompts, on the default model")
@@ -212,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="dev = first half of each file (tune here only); test = second half (only measured)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
-    p.add_argument("--max-string-length", type=int, default=MAX_STRING_LENGTH,
+    p.add_argument("--max-string-length", type=int, default=None,  # None: bench.bfcl.MAX_STRING_LENGTH
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
-    p.add_argument("--max-decimals", type=int, default=MAX_DECIMALS,
+    p.add_argument("--max-decimals", type=int, default=None,  # None: bench.bfcl.MAX_DECIMALS
                    help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
     p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
     p = sub.add_parser("serve", help="OpenAI-compatible server: POST /v1/chat/completions, GET /v1/models, /health")
@@ -226,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-string-length", type=int, default=None, help="default grammar cap on unbounded strings")
     p.add_argument("--max-decimals", type=int, default=None, help="default grammar bound on numbers")
     p.set_defaults(fn=cmd_serve)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (SpecAgentError, ValueError) as e:  # user errors (bad tools, model, choice, prompt): one line

@@ -88,9 +88,10 @@ class Agent:
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals`` override its
             fields (None: keep).
-        draft_model, device, dtype, engine, threads: load-time arguments, only when the agent loads the model
-            (ValueError with a ready engine or Generator, where they would be ignored); ``engine="llamacpp"`` runs
-            the GGUF on llama.cpp's CPU kernels (``threads`` CPU threads), ``"torch"`` (default) on transformers.
+        draft_model, device, dtype, backend, threads: load-time arguments, only when the agent loads the model
+            (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
+            ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU
+            threads), ``"torch"`` (default) on transformers. ``engine`` is an alias of ``backend``.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
             validates every output (failed calls are retried ``max_retries`` times with the error fed back).
@@ -112,19 +113,21 @@ class Agent:
                  draft_model: Any = None, device: str | None = None, dtype: str | None = None, max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
                  parallel_tool_execution: bool = True, tool_format: str | None = None,
-                 chat_template: str | None = None, engine: str | None = None, threads: int | None = None):
+                 chat_template: str | None = None, backend: str | None = None, engine: str | None = None,
+                 threads: int | None = None):
         if isinstance(model, Engine):
             ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
                                       ("tool_format", tool_format), ("chat_template", chat_template),
-                                      ("engine", engine), ("threads", threads)) if v is not None]
+                                      ("backend", backend), ("engine", engine), ("threads", threads))
+                       if v is not None]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} would be ignored: the engine is already built; pass them "
                                  f"to the engine")
             self.engine = model
         else:
             self.engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype,
-                                      tool_format=tool_format, chat_template=chat_template, engine=engine,
-                                      threads=threads)
+                                      tool_format=tool_format, chat_template=chat_template, backend=backend,
+                                      engine=engine, threads=threads)
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             max_string_length=max_string_length, max_decimals=max_decimals)
@@ -231,7 +234,8 @@ class Agent:
         if backend == "ray":
             from .distributed import ray_run_batch
 
-            return ray_run_batch(self.spec(), prompts, num_actors=max_workers, run_kwargs=kwargs)
+            return ray_run_batch(agent_from_spec, self.spec(), prompts, num_actors=max_workers,
+                                 run_kwargs=kwargs)
         if backend != "thread":
             raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
         if max_workers <= 1:

@@ -2,30 +2,32 @@
 
 Each of N Ray actors rebuilds the agent from :meth:`Agent.spec` once (its own engine: the model loaded in the
 actor's process, or a client of the same remote server; its tools registered again), then runs prompts with
-``Agent.run``. Results come back in input order. Ray must be initialised by the caller: ``ray.init()`` for this
-machine, ``ray.init(address="ray://head:10001")`` for a cluster. Every returned call and output was validated
-in the actor exactly as in a local run; greedy local engines give the same results as a serial run.
+``Agent.run``. The builder comes in as an argument (``Agent.run_batch`` passes :func:`agent.agent.agent_from_spec`,
+which Ray pickles by reference), so this module imports nothing from ``agent.agent``. Results come back in input
+order. Ray must be initialised by the caller: ``ray.init()`` for this machine, ``ray.init(address="ray://head:10001")``
+for a cluster. Every returned call and output was validated in the actor exactly as in a local run; greedy local
+engines give the same results as a serial run.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 class _AgentActor:
-    """Holds one agent (built once per actor) and runs prompts on it."""
+    """Holds one agent (built once per actor by ``build(spec)``) and runs prompts on it."""
 
-    def __init__(self, spec: tuple):
-        from .agent import agent_from_spec
-
-        self.agent = agent_from_spec(spec)
+    def __init__(self, build: Callable[[tuple], Any], spec: tuple):
+        self.agent = build(spec)
 
     def run(self, prompt: Any, run_kwargs: dict):
         return self.agent.run(prompt, **run_kwargs)
 
 
-def ray_run_batch(spec: tuple, prompts: list, *, num_actors: int = 1, run_kwargs: dict | None = None,
-                  num_cpus_per_actor: float = 1) -> list:
-    """Run ``prompts`` on ``num_actors`` Ray actors built from ``spec``; the :class:`RunResult` list in input order.
+def ray_run_batch(build: Callable[[tuple], Any], spec: tuple, prompts: list, *, num_actors: int = 1,
+                  run_kwargs: dict | None = None, num_cpus_per_actor: float = 1) -> list:
+    """Run ``prompts`` on ``num_actors`` Ray actors, each holding the agent ``build(spec)`` returns (``build``: a
+    module-level function, e.g. ``agent_from_spec``, so Ray pickles it by reference); the :class:`RunResult` list
+    in input order.
 
     Raises:
         RuntimeError: Ray is not initialised (call ``ray.init(...)`` first).
@@ -40,7 +42,7 @@ def ray_run_batch(spec: tuple, prompts: list, *, num_actors: int = 1, run_kwargs
     if not prompts:
         return []
     actor_cls = ray.remote(num_cpus=num_cpus_per_actor)(_AgentActor)
-    actors = [actor_cls.remote(spec) for _ in range(max(1, min(num_actors, len(prompts))))]
+    actors = [actor_cls.remote(build, spec) for _ in range(max(1, min(num_actors, len(prompts))))]
     try:
         pool = ActorPool(actors)
         return list(pool.map(lambda actor, p: actor.run.remote(p, run_kwargs or {}), prompts))

@@ -19,8 +19,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
                       SamplingParams, check_drafter)
 from schemas import Tool
 
-from .format import filter_tools
 from .formats import ToolFormat, make_format
+from .tool_choice import filter_tools
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 
@@ -31,7 +31,7 @@ class EngineConfig:
 
     Attributes:
         drafter: drafting mode, a row of ``decoding.DRAFTERS`` or ``auto`` (the default: the model's MTP card's
-            drafter where a head loads on the torch engine, else ``lookup``; ``Generator.resolve_drafter``).
+            drafter where a head loads on the torch backend, else ``lookup``; ``Generator.resolve_drafter``).
         num_draft_tokens: γ, drafter tokens per speculative window (>= 0; 0 drafts schema-forced tokens only).
         adaptive: adapt γ online from the acceptance rate.
         max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded (None: no cap).
@@ -142,8 +142,9 @@ class LocalEngine:
         model: a :class:`Generator`, a :class:`LoadedModel` or a spec for ``decoding.load_model``.
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
-        engine, threads: ``"torch"`` (default) or ``"llamacpp"`` (llama.cpp's CPU kernels on the GGUF as shipped;
-            ``threads`` CPU threads), only with a spec (see :class:`decoding.Generator`).
+        backend, threads: a row of ``decoding.BACKENDS`` (``"torch"``, the default, or ``"llamacpp"``: llama.cpp's CPU
+            kernels on the GGUF as shipped, ``threads`` CPU threads), only with a spec (see
+            :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
     Raises:
@@ -153,9 +154,10 @@ class LocalEngine:
 
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
                  device: str | None = None, dtype: str | None = None, tool_format: str | None = None,
-                 chat_template: str | None = None, engine: str | None = None, threads: int | None = None):
+                 chat_template: str | None = None, backend: str | None = None, engine: str | None = None,
+                 threads: int | None = None):
         ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
-                                  ("engine", engine), ("threads", threads)) if v is not None
+                                  ("backend", backend), ("engine", engine), ("threads", threads)) if v is not None
                    and (isinstance(model, Generator) or (not isinstance(model, str) and n != "draft_model"))]
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: the model is already loaded "
@@ -164,16 +166,14 @@ class LocalEngine:
             self.generator = model
         else:
             self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
-                                       dtype=dtype or "float32", engine=engine or "torch", threads=threads)
+                                       dtype=dtype or "float32", backend=backend, engine=engine, threads=threads)
         self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
-        loaded = self.generator.loaded
         if isinstance(model, str):
-            where = model
-        elif self.generator.engine == "llamacpp":  # a llama.cpp model is rebuilt from its GGUF (ctypes handles)
-            where, engine, threads = str(loaded.path), "llamacpp", loaded.n_threads
-        else:
-            where = loaded
-        self._spec = (where, draft_model, device, dtype, tool_format, chat_template, engine, threads)
+            where, load = model, {"backend": backend or engine, "threads": threads}
+        else:  # rebuilt from the loaded model where it pickles, else from its file (llama.cpp: ctypes handles)
+            where, load = self.generator.backend.portable(self.generator.loaded)
+            load = {"backend": load.get("backend"), "threads": load.get("threads")}
+        self._spec = (where, draft_model, device, dtype, tool_format, chat_template, load["backend"], load["threads"])
 
     @property
     def call_start_chars(self) -> str:
@@ -192,10 +192,10 @@ class LocalEngine:
         """``(LocalEngine, (model,), kwargs)``: a spec string is reloaded where the engine is rebuilt, a loaded model
         travels pickled. An engine built from a ready :class:`Generator` is rebuilt from its loaded model with
         default Generator settings (its draft model does not travel)."""
-        model, draft_model, device, dtype, tool_format, chat_template, engine, threads = self._spec
+        model, draft_model, device, dtype, tool_format, chat_template, backend, threads = self._spec
         return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype,
                                        "tool_format": tool_format, "chat_template": chat_template,
-                                       "engine": engine, "threads": threads}
+                                       "backend": backend, "threads": threads}
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,

@@ -165,12 +165,14 @@ class ServerThread:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
           max_waiting: int = DEFAULT_MAX_WAITING, concurrency: int = 1, draft_model: str | None = None,
-          device: str = "cpu", dtype: str = "float32", engine: str | None = None, threads: int | None = None) -> None:
-    """Load ``model`` once and serve it, under the id ``model``, until interrupted (blocks). ``engine``/``threads``:
-    see :class:`agent.engine.LocalEngine`."""
+          device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
+          threads: int | None = None) -> None:
+    """Load ``model`` once and serve it, under the id ``model``, until interrupted (blocks). ``backend`` (alias
+    ``engine``) / ``threads``: see :class:`agent.engine.LocalEngine`."""
     import uvicorn
 
-    engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, engine=engine, threads=threads)
+    engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, backend=backend, engine=engine,
+                         threads=threads)
     app = create_app(engine, model_name=model, config=config, max_waiting=max_waiting, concurrency=concurrency)
     drafter = engine.generator.resolve_drafter(config.drafter)
     print(f"serving {engine.name} as model {model!r} on http://{host}:{port}/v1 (drafter {drafter}, "

@@ -6,7 +6,7 @@ with ``json_schema_to_gbnf`` (what ``LlamaGrammar.from_json_schema`` does), wrap
 fails. Differences from our grammar that the numbers carry: llama.cpp's JSON grammar allows free whitespace where
 ours fixes the separators and ignores some keywords (e.g. ``multipleOf``), so its token ids are not expected to
 equal the constrained modes'. Unconstrained (``gbnf=None``) it is the ``llamacpp_unconstrained`` mode. Our own
-decoder on the same kernels is the llama.cpp engine (``decoding/llamacpp.py``, modes ``llamacpp_engine_*``).
+decoder on the same kernels is the llama.cpp backend (``decoding/llamacpp.py``, modes ``llamacpp_engine_*``).
 """
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ def _typed(schema):
     return out
 
 
-def call_gbnf(call_schema: dict, root: str = '"<tool_call>[" call "]</tool_call>"') -> str:
-    """GBNF ``root ::= <root>`` with ``call`` the JSON of ``call_schema`` (llama.cpp's converter); the default root is
-    the generic format's ``<tool_call>[CALL]</tool_call>``."""
+def call_gbnf(call_schema: dict, root: str) -> str:
+    """GBNF ``root ::= <root>`` with ``call`` the JSON of ``call_schema`` (llama.cpp's converter); ``root`` is the tool
+    format's layout around one call (``ToolFormat.gbnf_root()``, e.g. the generic format's
+    ``"<tool_call>[" call "]</tool_call>"``)."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     body = json_schema_to_gbnf(json.dumps(_typed(call_schema)))
@@ -70,7 +71,7 @@ class LlamaCppPeer:
             from llama_cpp import Llama
         except ImportError as e:  # optional dependency
             raise LlamaCppUnavailable(f"llama_cpp is not installed ({e}); pip install llama-cpp-python") from None
-        path, _, _ = gguf_of(model_spec)  # the file the llama.cpp engine loads (ModelNotFoundError if not a GGUF)
+        path, _, _ = gguf_of(model_spec)  # the file the llama.cpp backend loads (ModelNotFoundError if not a GGUF)
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=n_threads,
                          n_gpu_layers=-1 if gpu else 0, verbose=False, seed=0)
         self.eos = self.llm.token_eos()

@@ -4,43 +4,57 @@ the list of modes and the result fields). Our modes are rows of :data:`decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
 from agent.formats import make_format
-from decoding import DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel, ModelNotFoundError
-from decoding.generator import TORCH_DRAFTERS
+from decoding import (BACKENDS, DEFAULT_BACKEND, DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel,
+                      ModelNotFoundError, backend_of)
 from constraints import schema_compiles
 from schemas import SpecAgentError, ToolRegistry, call_schema
 
+from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
+
 BASELINE = "constrained"
-# one mode per row of decoding's drafter table (``none`` is the baseline), and ``best``: the Generator's default
-OUR_DRAFTERS: dict[str, str | None] = {**{BASELINE if name == "none" else name: name for name in DRAFTERS},
-                                       "best": None}
-# the same decoder on the llama.cpp engine (decoding/llamacpp.py): drafters that need no torch weights
-LLAMACPP_ENGINE = "llamacpp_engine_"
-LLAMACPP_BASELINE = LLAMACPP_ENGINE + BASELINE
-LLAMACPP_DRAFTERS: dict[str, str | None] = {LLAMACPP_ENGINE + m: d for m, d in OUR_DRAFTERS.items()
-                                            if d not in TORCH_DRAFTERS}
-MODES = ("hf_unconstrained", *(m for m in OUR_DRAFTERS if m != "best"), "hf_assisted_constrained",
-         "llamacpp_unconstrained", "llamacpp_constrained", *LLAMACPP_DRAFTERS, "best")
+PEER_MODES = ("hf_unconstrained", "hf_assisted_constrained", "llamacpp_unconstrained", "llamacpp_constrained")
 DEFAULT_MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model",
                  "hf_assisted_constrained", "llamacpp_constrained", "best")
-# llama.cpp against its own peers and the torch engine (``make bench-llamacpp``)
-LLAMACPP_MODES = ("llamacpp_unconstrained", "llamacpp_constrained", LLAMACPP_BASELINE, "llamacpp_engine_lookup",
-                  "llamacpp_engine_best", "constrained", "best")
+# llama.cpp against its own peers and the torch backend (``make bench-llamacpp``; ``--modes llamacpp``)
+MODE_GROUPS = {"llamacpp": ("llamacpp_unconstrained", "llamacpp_constrained", "llamacpp_engine_constrained",
+                            "llamacpp_engine_lookup", "llamacpp_engine_best", "constrained", "best")}
+
+
+def our_modes() -> dict[str, tuple[str, str | None]]:
+    """Our decoding modes, read from the tables now: ``mode -> (backend, drafter)`` for every row of
+    ``decoding.BACKENDS`` × every row of ``decoding.DRAFTERS`` the backend supports (``none`` is named
+    ``constrained``, the baseline), plus ``best`` (drafter None: the Generator's default ``auto`` and γ) per
+    backend. Mode names carry the backend row's ``bench_prefix`` (``""`` for torch, ``llamacpp_engine_``)."""
+    modes: dict[str, tuple[str, str | None]] = {}
+    for backend in BACKENDS.values():
+        for drafter, row in DRAFTERS.items():
+            if backend.supports(row.needs):
+                modes[backend.bench_prefix + (BASELINE if drafter == "none" else drafter)] = (backend.name, drafter)
+        modes[backend.bench_prefix + "best"] = (backend.name, None)
+    return modes
+
+
+def all_modes() -> tuple[str, ...]:
+    """Every mode ``--modes`` accepts: ours (:func:`our_modes`) and the peers (:data:`PEER_MODES`)."""
+    return (*our_modes(), *PEER_MODES)
 
 
 def baseline_of(mode: str) -> str:
     """The mode whose output ``mode``'s ``identical_to_constrained`` compares with: the constrained greedy of the
-    same engine (``llamacpp_engine_constrained`` for the llama.cpp engine, ``constrained`` otherwise)."""
-    return LLAMACPP_BASELINE if mode.startswith(LLAMACPP_ENGINE) else BASELINE
+    same backend (``llamacpp_engine_constrained`` for the llama.cpp backend); ``constrained`` for the peers."""
+    backend = our_modes().get(mode, (DEFAULT_BACKEND, None))[0]
+    return BACKENDS[backend].bench_prefix + BASELINE
 
 
-GENERIC_GBNF_ROOT = '"<tool_call>[" call "]</tool_call>"'
+def is_baseline(mode: str) -> bool:
+    """``mode`` is some backend's constrained greedy (a baseline of ``identical_to_constrained``)."""
+    return baseline_of(mode) == mode
 
 
 class SkipMode(SpecAgentError):
@@ -56,6 +70,9 @@ class BenchPrompt:
         ids: prompt token ids (chat template applied, generation prompt added).
         grammar: the turn grammar (``tool_choice="required"``, one call, bounded strings and numbers).
         call_schema: the bounded call schema inside the grammar (for llama.cpp's GBNF).
+        fmt: the tool format the prompt is rendered in.
+        gbnf_root: llama.cpp's GBNF around the call (``call`` = the call schema's rule), in the format's layout
+            (``fmt.gbnf_root()``).
     """
 
     id: str
@@ -65,26 +82,22 @@ class BenchPrompt:
     ids: list[int]
     grammar: Any
     call_schema: dict
-    fmt: Any = None
-    gbnf_root: str = GENERIC_GBNF_ROOT
+    fmt: Any
+    gbnf_root: str
 
 
-# llama.cpp's GBNF around the call (``call`` = the call schema's rule), in the layout of the model's tool format
-GBNF_ROOTS = {"generic": GENERIC_GBNF_ROOT, "hermes": '"<tool_call>\\n" call "\\n</tool_call>" | call',
-              "llama3_json": "call"}
-
-
-def build_prompts(tokenizer, rows: list[tuple[str, dict]]) -> list[BenchPrompt]:
-    """Tools, prompt ids and turn grammar per row, exactly as ``agent.bfcl.run_bfcl`` with the bfcl CLI's Agent
-    (:func:`agent.bfcl.bfcl_turn`), in the model's own tool format (detected from its chat template)."""
-    fmt = make_format(tokenizer)
+def build_prompts(tokenizer, rows: list[tuple[str, dict]], tool_format: str | None = None) -> list[BenchPrompt]:
+    """Tools, prompt ids and turn grammar per row, exactly as ``bench.bfcl.run_bfcl`` with the bfcl CLI's Agent
+    (:func:`bench.bfcl.bfcl_turn`), in the model's own tool format (detected from its chat template unless
+    ``tool_format`` names a row of ``agent.formats.FORMATS``)."""
+    fmt = make_format(tokenizer, tool_format)
     prompts = []
     for cat, row in rows:
         turn = bfcl_turn(row, cat)
         schema = call_schema(turn.tools, max_string_length=MAX_STRING_LENGTH, max_decimals=MAX_DECIMALS,
                              compiles=schema_compiles)
         prompts.append(BenchPrompt(turn.id, cat, turn, turn.registry(), turn.prompt_ids(tokenizer, fmt),
-                                   turn.grammar(fmt=fmt), schema, fmt, GBNF_ROOTS.get(fmt.name, "call")))
+                                   turn.grammar(fmt=fmt), schema, fmt, fmt.gbnf_root()))
     return prompts
 
 
@@ -120,6 +133,17 @@ class Run:
     verify_seconds_per_forward: float | None = None
     drafted: int = 0
     accepted: int = 0
+
+
+@dataclass
+class BenchResult:
+    """What :func:`bench.run.run_benchmark` returns (here, beside :class:`Run`, so ``bench/report.py`` and
+    ``bench/run.py`` both import it from this module)."""
+
+    results: dict[str, dict]  # mode -> FIELDS
+    skipped: dict[str, str]  # mode -> why
+    runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)  # mode -> prompt id -> repeats
+    prompts: list[BenchPrompt] = field(default_factory=list)
 
 
 def _decode_tps(n_tokens: int, seconds: float, prefill_seconds: float) -> float:
@@ -160,7 +184,7 @@ class Bench:
         if mtp_checkpoint is not None:
             self.gen.mtp_checkpoint = mtp_checkpoint  # read by Generator.mtp_head() (decoding/mtp.py)
         self._llamacpp = None
-        self._llamacpp_engine: Generator | None = None
+        self.generators: dict[str, Generator] = {backend_of(loaded).name: self.gen}  # backend -> its Generator
         self.threads = torch.get_num_threads()
 
     # -- per-mode setup (raises SkipMode) ------------------------------------------------------------------------------
@@ -168,11 +192,13 @@ class Bench:
         """Raise :class:`SkipMode` when ``mode`` cannot run here."""
         if mode == "draft_model" and self.draft_loaded is None:
             raise SkipMode(self.draft_error or "no draft model")
-        if mode in LLAMACPP_DRAFTERS and self._llamacpp_engine is None:
+        backend = our_modes().get(mode, (None, None))[0]
+        if backend is not None and backend not in self.generators:
             if self.model_spec is None:
-                raise SkipMode("the llama.cpp engine needs the model's GGUF; the model was passed in already loaded")
+                raise SkipMode(f"the {backend} backend loads the model from its spec; the model was passed in "
+                               f"already loaded")
             try:
-                self._llamacpp_engine = Generator(self.model_spec, engine="llamacpp", threads=self.threads)
+                self.generators[backend] = Generator(self.model_spec, backend=backend, threads=self.threads)
             except (LlamaCppUnavailableError, ModelNotFoundError) as e:
                 raise SkipMode(str(e)) from None
         if mode in ("llamacpp_constrained", "llamacpp_unconstrained") and self._llamacpp is None:
@@ -188,11 +214,11 @@ class Bench:
 
     # -- one decode ----------------------------------------------------------------------------------------------------
     def run(self, mode: str, p: BenchPrompt) -> Run:
-        if mode in OUR_DRAFTERS:
-            return self.run_ours(OUR_DRAFTERS[mode], p, None if mode == "best" else self.num_draft_tokens)
-        if mode in LLAMACPP_DRAFTERS:
-            return self.run_ours(LLAMACPP_DRAFTERS[mode], p, None if mode.endswith("best") else self.num_draft_tokens,
-                                 gen=self._llamacpp_engine)
+        ours = our_modes()
+        if mode in ours:
+            backend, drafter = ours[mode]
+            return self.run_ours(drafter, p, None if drafter is None else self.num_draft_tokens,
+                                 gen=self.generators[backend])
         if mode == "llamacpp_unconstrained":
             return self._run_llamacpp(p, constrained=False)
         if mode == "hf_unconstrained":
@@ -205,8 +231,8 @@ class Bench:
 
     def run_ours(self, drafter: str | None, p: BenchPrompt, num_draft_tokens: int | None,
                  gen: Generator | None = None) -> Run:
-        """``Generator.generate`` greedy with ``drafter`` (None: the default) and γ (None: the default), on the torch
-        engine's Generator or ``gen``."""
+        """``Generator.generate`` greedy with ``drafter`` (None: the default) and γ (None: the default), on the
+        Generator of the loaded model's backend or ``gen``."""
         gen = gen or self.gen
         res = gen.generate(p.ids, p.grammar, max_new_tokens=self.max_new_tokens, drafter=drafter,
                            num_draft_tokens=num_draft_tokens)

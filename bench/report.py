@@ -8,14 +8,10 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from .modes import BASELINE, baseline_of, is_valid
-
-if TYPE_CHECKING:
-    from .run import BenchResult
+from .modes import BASELINE, BenchResult, baseline_of, is_valid
 
 
 def machine_meta(argv: list[str] | None = None, prog: str = "bench.run") -> dict:

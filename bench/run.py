@@ -17,7 +17,7 @@ Modes:
     llamacpp_constrained     llama-cpp-python on the same GGUF, GBNF from the call schema (skipped without llama_cpp):
                              the peer a user would pick.
     llamacpp_unconstrained   llama-cpp-python on the same GGUF, greedy, no grammar (stops at EOS).
-    llamacpp_engine_<d>      our decoder on the llama.cpp engine (``decoding/llamacpp.py``, same GGUF) with drafter
+    llamacpp_engine_<d>      our decoder on the llama.cpp backend (``decoding/llamacpp.py``, same GGUF) with drafter
                              <d>: ``llamacpp_engine_constrained`` (one token per forward: that engine's baseline of
                              identity), ``_forced``, ``_schema``, ``_lookup``, ``_best`` (the default drafter and γ).
     best                     the agent's default configuration (``decoding.DEFAULT_DRAFTER``, default γ) on torch.
@@ -40,10 +40,10 @@ Per mode (``results.json``, one object per mode, plus ``meta``):
                              + masking the logits + acceptance).
     peak_rss_mb              ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (MB) after the mode's last run: the
                              PROCESS-WIDE peak so far (all modes share one process and one model), not the mode's own.
-    valid                    fraction of prompts whose output parses (``agent.format.parse_turn``) into ≥ 1 call that
+    valid                    fraction of prompts whose output parses (the tool format's ``parse``) into ≥ 1 call that
                              validates (``Tool.make_call``); a truncated output is invalid.
     identical_to_constrained fraction of prompts whose output token ids equal those of the constrained greedy of
-                             the same engine (``constrained``; ``llamacpp_engine_constrained`` for llama.cpp engine
+                             the same engine (``constrained``; ``llamacpp_engine_constrained`` for llama.cpp backend
                              modes). llama.cpp's own grammar differs from ours (free whitespace), so its modes are
                              not expected to be identical.
 ``meta.ratios``: per-prompt speed ratios (median) of llamacpp_engine_best against llamacpp_constrained,
@@ -56,18 +56,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from agent.bfcl import CATEGORIES, SPLITS, load_questions
-from decoding import DEFAULT_DRAFTER, LoadedModel, ModelNotFoundError, MTPError, load_model
+from decoding import DEFAULT_DRAFTER, LoadedModel, ModelNotFoundError, MTPError, backend_of, load_model
 
 from .aggregate import aggregate, median_speed_ratio, peak_rss_mb
-from .modes import (BASELINE, DEFAULT_MODES, LLAMACPP_BASELINE, LLAMACPP_DRAFTERS, LLAMACPP_MODES, MODES, Bench,
-                    BenchPrompt, Run, SkipMode, baseline_of, build_prompts)
+from .bfcl import CATEGORIES, SPLITS, load_questions
+from .modes import (BASELINE, DEFAULT_MODES, MODE_GROUPS, PEER_MODES, Bench, BenchPrompt, BenchResult, Run, SkipMode,
+                    all_modes, baseline_of, build_prompts, is_baseline, our_modes)
 from .report import machine_meta, write_outputs
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -76,7 +75,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 def load_rows(categories: list[str], data_dir: str | None, limit: int | None,
               split: str | None = None) -> list[tuple[str, dict]]:
     """``(category, row)`` for the first ``limit`` questions of each category (of its ``split``: ``dev`` = first
-    half of the file, ``test`` = second half, None = the whole file; see ``agent.bfcl.load_questions``)."""
+    half of the file, ``test`` = second half, None = the whole file; see ``bench.bfcl.load_questions``)."""
     out = []
     for cat in categories:
         if cat not in CATEGORIES:
@@ -86,14 +85,6 @@ def load_rows(categories: list[str], data_dir: str | None, limit: int | None,
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------------
-@dataclass
-class BenchResult:
-    results: dict[str, dict]  # mode -> FIELDS
-    skipped: dict[str, str]  # mode -> why
-    runs: dict[str, dict[str, list[Run]]] = field(default_factory=dict)  # mode -> prompt id -> repeats
-    prompts: list[BenchPrompt] = field(default_factory=list)
-
-
 def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list[str], *, repeat: int = 1,
                   max_new_tokens: int = 384, num_draft_tokens: int = 4, draft_model: Any = None,
                   model_spec: str | None = None, mtp_checkpoint: str | None = None,
@@ -103,18 +94,19 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
     ``constrained`` is always run (it is the baseline of speedup and identity). Modes that cannot run are skipped
     with a printed reason (``BenchResult.skipped``).
     """
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in all_modes()]
     if unknown:
-        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        raise ValueError(f"unknown modes {unknown}; choose from {', '.join(all_modes())}")
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
     modes = list(dict.fromkeys(modes))
     if BASELINE not in modes:
         log(f"note: adding mode {BASELINE!r}, the baseline of speedup_vs_constrained and identical_to_constrained")
         modes.insert(0, BASELINE)
-    if any(baseline_of(m) == LLAMACPP_BASELINE for m in modes) and LLAMACPP_BASELINE not in modes:
-        log(f"note: adding mode {LLAMACPP_BASELINE!r}, the llama.cpp engine's baseline of identical_to_constrained")
-        modes.insert(1, LLAMACPP_BASELINE)
+    for base in dict.fromkeys(baseline_of(m) for m in modes):
+        if base not in modes:
+            log(f"note: adding mode {base!r}, its backend's baseline of identical_to_constrained")
+            modes.insert(1, base)
     prompts = build_prompts(loaded.tokenizer, rows)
     if not prompts:
         raise ValueError("no prompts")
@@ -132,7 +124,9 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
         except (ModelNotFoundError, FileNotFoundError, NotImplementedError, MTPError) as e:
             skipped[m] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - optional modes (mtp/draft_model/llama.cpp) may fail to load
-            if m in ("mtp", "draft_model", "llamacpp_constrained", "llamacpp_unconstrained") or m in LLAMACPP_DRAFTERS:
+            optional = m in PEER_MODES or (m in our_modes() and (our_modes()[m][1] in ("mtp", "draft_model")
+                                                                  or our_modes()[m][0] != backend_of(loaded).name))
+            if optional:
                 skipped[m] = f"{type(e).__name__}: {e}"
             else:
                 raise
@@ -147,7 +141,7 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
                 try:
                     runs[m][p.id].append(bench.run(m, p))
                 except Exception as e:  # noqa: BLE001 - a peer failing on one prompt drops that mode, not the run
-                    if m in (BASELINE, LLAMACPP_BASELINE):
+                    if is_baseline(m):
                         raise
                     skipped[m] = f"failed on {p.id}: {type(e).__name__}: {str(e)[:200]}"
                     log(f"DROPPED {m}: {skipped[m]}")
@@ -212,8 +206,9 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     add_model_args(ap)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma list of: {', '.join(MODES)}, or 'llamacpp' for {', '.join(LLAMACPP_MODES)} "
-                         f"(default: {', '.join(DEFAULT_MODES)})")
+                    help=f"comma list of: {', '.join(all_modes())}, or a group: "
+                         + "; ".join(f"{g} = {', '.join(ms)}" for g, ms in MODE_GROUPS.items())
+                         + f" (default: {', '.join(DEFAULT_MODES)})")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="γ for forced/lookup/mtp/draft_model and HF's "
                                                                     "assistant (best uses the default γ)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
@@ -221,7 +216,7 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    modes = [x for m in modes for x in (LLAMACPP_MODES if m == "llamacpp" else (m,))]
+    modes = [x for m in modes for x in MODE_GROUPS.get(m, (m,))]
     rows = load_rows(categories(args), args.data_dir, args.limit, args.split)
     model_spec = None
     if loaded is None:

@@ -13,9 +13,8 @@ from typing import Any
 
 import llguidance
 
-from .json_schema import compile_json_schema, compile_options
+from .json_schema import compile_json_schema, compile_options, engine_schema
 from schemas.errors import SchemaError, SpecAgentError
-from schemas.narrow import calendar_dates
 
 
 class GrammarError(SpecAgentError, ValueError):
@@ -82,11 +81,12 @@ def lark_json(schema: Any, *, separators: tuple[str, str] = (",", ":"), lenient:
             ``(", ", ": ")`` is what ``json.dumps`` writes and what most chat models saw in training.
         lenient: relax keywords the grammar cannot enforce (the caller validates outputs).
 
-    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`).
+    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`);
+    integer bounds past 2^53 are kept inside (:func:`constraints.json_schema.exact_bounds`).
     """
     if not isinstance(schema, dict):
         schema = {} if schema is True else {"not": {}}
-    schema = calendar_dates(schema)
+    schema = engine_schema(schema)
     return "%json " + json.dumps({**schema, "x-guidance": compile_options(separators, lenient=lenient)},
                                  ensure_ascii=False)
 

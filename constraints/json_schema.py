@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import re
 from typing import Any
 
@@ -100,6 +101,67 @@ def _normalise_counts(schema: Any) -> Any:
             v = node.get(k)
             if isinstance(v, float) and v.is_integer():
                 node[k] = int(v)
+    return schema
+
+
+_BOUND_KEYWORDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
+def _inexact(v: Any) -> bool:
+    """An integer bound no float64 holds exactly (past ±2^53, or past the float range)."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        return False
+    try:
+        return float(v) != v
+    except OverflowError:
+        return True
+
+
+def _inexact_bounds(schema: Any) -> list[tuple[tuple, str]]:
+    return [(path, k) for path, node in walk(schema) for k in _BOUND_KEYWORDS if _inexact(node.get(k))]
+
+
+def check_exact_bounds(schema: Any, tool: str | None = None) -> None:
+    """Raise :class:`SchemaError` for an integer bound llguidance would round: it reads ``minimum``/``maximum``
+    (and the exclusive ones) as 64-bit floats, so ``minimum: 2^53 + 1`` became ``2^53`` and let it through."""
+    problems = []
+    for path, k in _inexact_bounds(schema):
+        pointer = json_pointer(path + (k,))
+        problems.append((pointer, k, f"keyword {k!r} at {pointer}: {path_value(schema, path)[k]} is past 2^53 and "
+                                     f"no 64-bit float holds it, so the grammar cannot enforce it exactly"))
+    if problems:
+        raise SchemaError(f"{problems[0][2]}; use a bound within ±2^53 (9007199254740992), or "
+                          f"{_ADVICE.split(', or ')[-1]} (the grammar then keeps the nearest float inside the bound)",
+                          pointer=problems[0][0], keyword=problems[0][1], tool=tool, problems=problems)
+
+
+def path_value(schema: Any, path: tuple) -> Any:
+    for key in path:
+        schema = schema[key]
+    return schema
+
+
+def exact_bounds(schema: Any) -> Any:
+    """``schema`` with each integer bound no float64 holds replaced by the nearest float inside it (lenient
+    grammars: a bound is never widened, so the grammar admits no value beyond it; the few values between the
+    bound and that float are left out, and every output is validated against the original anyway). Returned as
+    is when every bound is exact. Raises :class:`SchemaError` for a bound past the float range."""
+    found = _inexact_bounds(schema)
+    if not found:
+        return schema
+    schema = copy.deepcopy(schema)
+    for path, k in found:
+        node = path_value(schema, path)
+        v = node[k]
+        try:
+            f = float(v)
+        except OverflowError:
+            raise SchemaError(f"keyword {k!r} at {json_pointer(path + (k,))} is past the float range: the grammar "
+                              f"cannot bound it", pointer=json_pointer(path + (k,)), keyword=k) from None
+        lower = k in ("minimum", "exclusiveMinimum")
+        if (f < v) if lower else (f > v):
+            f = math.nextafter(f, math.inf if lower else -math.inf)
+        node[k] = int(f)
     return schema
 
 
@@ -203,19 +265,21 @@ def check_exact_extras(schema: Any, tool: str | None = None) -> None:
 def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None = None) -> str:
     """Compile a JSON Schema to an llguidance grammar (JSON text); raise :class:`SchemaError` when it cannot.
 
-    Strict: unimplemented keywords (``not``, ``if``, ``uniqueItems``…) are errors naming their pointers.
-    Lenient: they are ignored by the grammar (the caller must validate outputs).
+    Strict: unimplemented keywords (``not``, ``if``, ``uniqueItems``…) and integer bounds past 2^53 are errors
+    naming their pointers. Lenient: they are ignored by the grammar, bounds kept inside (the caller must validate
+    outputs).
     ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`).
     """
     options = LENIENT_COMPILE_OPTIONS if lenient else JSON_COMPILE_OPTIONS
     if not lenient:
         check_exact_extras(schema, tool=tool)
+        check_exact_bounds(schema, tool=tool)
     if schema is True:
         schema = {}
     elif schema is False:
         raise SchemaError("schema false admits no value: nothing can be generated", keyword="false", tool=tool)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(calendar_dates(_normalise_counts(schema)),
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(engine_schema(_normalise_counts(schema)),
                                                                 overrides=options)
     except ValueError as e:
         raise compile_error_to_schema_error(schema, str(e), tool=tool) from None
@@ -223,6 +287,12 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     if is_error:
         raise grammar_error_to_schema_error(schema, messages[0], tool=tool)
     return grammar
+
+
+def engine_schema(schema: Any) -> Any:
+    """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): real calendar dates
+    (:func:`schemas.narrow.calendar_dates`) and exact integer bounds (:func:`exact_bounds`)."""
+    return exact_bounds(calendar_dates(schema))
 
 
 def schema_compiles(schema: Any, lenient: bool = False) -> bool:

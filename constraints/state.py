@@ -28,7 +28,7 @@ class ConstraintState:
         grammar: a compiled :class:`Grammar`.
 
     Attributes:
-        num_tokens: tokens consumed so far (after rollbacks).
+        num_tokens: tokens consumed so far (after rollbacks), EOS included.
         mask_seconds: total wall time spent computing masks (s).
     """
 
@@ -40,6 +40,8 @@ class ConstraintState:
         if self.matcher.is_error():
             raise ConstraintError(f"grammar does not load: {self.matcher.get_error()}")
         self.num_tokens = 0
+        self._eos_unrecorded = False  # EOS consumed on a stopped matcher: llguidance keeps no token for it
+        self._tokens: list[int] = []  # consumed tokens (one is consumed again when an unrecorded EOS is undone)
         self.mask_seconds = 0.0
         self.mask_calls = 0
         self._row = allocate_bitmask(1, self.vocab_size)
@@ -75,18 +77,30 @@ class ConstraintState:
         if not ok:
             raise ConstraintError(f"token {token} ({self._show(token)}) is not allowed here"
                                   f"{self._context()}")
+        unrecorded = token == self.tokenizer.eos_token and self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"consuming token {token} failed: {self.matcher.get_error()}")
+        self._eos_unrecorded = unrecorded
+        self._tokens.append(token)
         self.num_tokens += 1
 
     def consume_many(self, tokens: list[int]) -> None:
         """Advance by several tokens, all or nothing (raises :class:`ConstraintError`, state unchanged)."""
+        if tokens and tokens[-1] == self.tokenizer.eos_token:  # EOS goes through consume (its own bookkeeping)
+            self.consume_many(tokens[:-1])
+            try:
+                self.consume(tokens[-1])
+            except ConstraintError:
+                self.rollback(len(tokens) - 1)
+                raise
+            return
         n = self.matcher.validate_tokens(list(tokens)) if tokens else 0
         if n != len(tokens):
             bad = tokens[n]
             raise ConstraintError(f"token {bad} ({self._show(bad)}) at index {n} is not allowed{self._context()}")
         if tokens and not self.matcher.consume_tokens(list(tokens)):
             raise ConstraintError(f"consuming tokens failed: {self.matcher.get_error()}")
+        self._tokens.extend(tokens)
         self.num_tokens += len(tokens)
 
     def valid_prefix_len(self, tokens: list[int]) -> int:
@@ -94,17 +108,31 @@ class ConstraintState:
         return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` consumed tokens (0 <= n <= num_tokens)."""
+        """Undo the last ``n`` consumed tokens (0 <= n <= num_tokens), EOS counting as one.
+
+        EOS consumed once the grammar was stopped is not on llguidance's token stack (the matcher only marks it
+        consumed, and its ``rollback(n)`` removes that mark and ``n`` body tokens), so there the body token
+        removed too many is consumed again."""
         if n < 0 or n > self.num_tokens:
             raise ValueError(f"cannot roll back {n} tokens: {self.num_tokens} consumed")
-        if n and not self.matcher.rollback(n):
+        if n and self._eos_unrecorded:
+            self._eos_unrecorded = False
+            if n == self.num_tokens:
+                self.matcher.reset()
+            elif not (self.matcher.rollback(n) and self.matcher.consume_token(self._tokens[-n - 1])):
+                raise ConstraintError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
+        elif n and not self.matcher.rollback(n):
             raise ConstraintError(f"rollback of {n} tokens failed: {self.matcher.get_error()}")
+        del self._tokens[len(self._tokens) - n:]
         self.num_tokens -= n
 
     def reset(self) -> None:
         """Back to the start state."""
         self.matcher.reset()
         self.num_tokens = 0
+        self._tokens.clear()
+        self._eos_unrecorded = False
+        self._eos_unrecorded = False
 
     # -- status --------------------------------------------------------------------------------------------------
     def is_accepting(self) -> bool:

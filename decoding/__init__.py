@@ -3,18 +3,22 @@ from schemas.errors import SpecAgentError
 
 from .decoder import decode
 from .drafters import ChainDrafter, DraftModelDrafter, Drafter, PromptLookupDrafter, SchemaDrafter
-from .generator import ENGINES, ContextLengthError, Generator
+from .backends import (BACKENDS, DEFAULT_BACKEND, HIDDEN_STATES, TORCH_WEIGHTS, Backend, LoadedTarget, TargetModel,
+                       backend_of, get_backend)
+from .generator import ContextLengthError, Generator
 from .llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppUnavailableError, load_llamacpp
 from .loader import (DEFAULT_MODEL, KNOWN_MODELS, LoadedModel, ModelNotFoundError, UnsupportedModelError,
                      load_model)
 from .model import CausalLM
 from .sampling import SamplingParams
 from .mtp import MTPError
-from .registry import DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTER_CHOICES, DRAFTERS, check_drafter, make_drafter
+from .registry import (DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, DrafterRow, check_drafter, drafter_choices,
+                       make_drafter)
 from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
-__all__ = ["CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_CHOICES", "DRAFTERS",
-           "DecodeResult", "ENGINES", "LlamaCppLM", "LlamaCppModel", "LlamaCppUnavailableError", "load_llamacpp", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
+__all__ = ["BACKENDS", "Backend", "DEFAULT_BACKEND", "DrafterRow", "HIDDEN_STATES", "LoadedTarget", "TORCH_WEIGHTS",
+           "TargetModel", "backend_of", "drafter_choices", "get_backend", "CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS",
+           "DecodeResult", "LlamaCppLM", "LlamaCppModel", "LlamaCppUnavailableError", "load_llamacpp", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
            "MTPError", "ModelNotFoundError", "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError",
            "UnsupportedModelError", "check_drafter", "decode", "load_model", "make_drafter", "speculative_decode"]

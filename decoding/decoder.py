@@ -14,16 +14,16 @@ import torch
 
 from constraints import ConstraintState, allocate_bitmask, apply_bitmask
 
-from .model import CausalLM
+from .backends import TargetModel
 from .sampling import SamplingParams, pick
 from .stats import DecodeResult, DecodeStats
 
 
-def prefill(target: CausalLM, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):
+def prefill(target: TargetModel, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):
     """Fill the cache with ``prompt[:-1]``; returns ``cur = prompt[-1]`` (not yet fed), or with ``hidden=True``
     ``(cur, last-layer hidden states float [len(prompt) - 1, d])``.
 
-    Without ``hidden``, a prefix of the prompt still in the engine's KV cache from the previous decode is kept
+    Without ``hidden``, a prefix of the prompt still in the backend's KV cache from the previous decode is kept
     (``target.reuse_prefix``; counted in ``stats.prompt_tokens_cached``) and only the rest is prefilled."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -69,9 +69,14 @@ class DecodeSetup:
     mask_start: float
 
 
-def start_decode(target: CausalLM, prompt: list[int], state: ConstraintState, sampling: SamplingParams,
-                 eos_token_id: int | None, *, rows: int = 1, hidden: bool = False) -> DecodeSetup:
+def start_decode(target: TargetModel, prompt: list[int], state: ConstraintState, sampling: SamplingParams,
+                 eos_token_id: int | None, *, rows: int = 1, hidden: bool = False,
+                 observe: Callable[[torch.Tensor | None, list[int], int], None] | None = None) -> DecodeSetup:
     """Set up one decode: EOS id, statistics, random generator, a bitmask of ``rows`` rows, and the prefill.
+
+    ``observe(hidden, prompt[1:], 0)`` (a drafter's :meth:`~decoding.drafters.Drafter.observe`) is called after the
+    prefill with the prompt's hidden states (``hidden=True``; else None) and counted as prefill time: an MTP head's
+    pass over the prompt is its prefill.
 
     Raises:
         ValueError: the prompt is empty.
@@ -86,11 +91,14 @@ def start_decode(target: CausalLM, prompt: list[int], state: ConstraintState, sa
         cur, h = prefill(target, prompt, stats, hidden=True)
     else:
         cur, h = prefill(target, prompt, stats), None
+    if observe is not None and (h is not None or not hidden):  # a one-token prompt has no states to observe
+        with stats.timer("prefill_seconds", target.synchronize):
+            observe(h, prompt[1:], 0)
     return DecodeSetup(eos, stats, gen, bitmask, cur, h, t_start, mask_start)
 
 
 def finish_decode(setup: DecodeSetup, tokens: list[int], stop: str, state: ConstraintState,
-                  tokenizer=None, target: CausalLM | None = None) -> DecodeResult:
+                  tokenizer=None, target: TargetModel | None = None) -> DecodeResult:
     """Wrap up one decode: final counters and timings (s) in ``setup.stats`` and the :class:`DecodeResult`
     (``target.synchronize()`` first, so the whole decode's time includes the device's queued work).
 
@@ -115,7 +123,7 @@ def detokenize(tokens: list[int], state: ConstraintState, tokenizer=None) -> str
     return state.tokenizer.decode_str(tokens)
 
 
-def decode(target: CausalLM, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
+def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
            sampling: SamplingParams = SamplingParams(), eos_token_id: int | None = None,
            tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
     """Constrained decoding, one token per forward.

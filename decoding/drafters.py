@@ -49,11 +49,13 @@ class Drafter:
         """
         raise NotImplementedError
 
-    def observe(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
-        """Learn the target's view of accepted tokens (called only when :attr:`needs_hidden_states`).
+    def observe(self, hidden: torch.Tensor | None, next_tokens: list[int], start: int) -> None:
+        """Learn the target's view of accepted tokens: called after the prefill (``start = 0``, the prompt) and after
+        every verified window (the accepted drafts and the bonus token). A no-op by default.
 
         Args:
-            hidden: target last-layer hidden states ``float [m, d]`` of positions ``start … start+m-1``.
+            hidden: target last-layer hidden states ``float [m, d]`` of positions ``start … start+m-1`` when
+                :attr:`needs_hidden_states`, else None.
             next_tokens: the ``m`` tokens that followed those positions (accepted drafts and the bonus token).
             start: sequence position of ``hidden[0]``.
         """
@@ -69,6 +71,15 @@ class Drafter:
 
     def reset(self) -> None:
         """Forget per-sequence state (called before each decode)."""
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: the speculative step then drafts schema-forced tokens only (mode ``forced``)."""
+
+    name = "forced"
+
+    def propose(self, tokens, state, bitmask_row, sampling, generator):
+        return None
 
 
 class SchemaDrafter(Drafter):

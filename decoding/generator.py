@@ -20,23 +20,20 @@ from typing import Callable
 from constraints import ConstraintState, Grammar, llg_tokenizer
 from schemas.errors import SpecAgentError
 
+from .backends import BACKENDS, Backend, backend_name, backend_of
 from .decoder import decode
 from .drafters import Drafter
-from .llamacpp import LlamaCppModel, load_llamacpp
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
-from .model import CausalLM, check_cache
+from .model import check_cache
 from .mtp import MTPError, load_head
 from . import registry
-from .registry import (AUTO, CARD_DRAFTERS, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER,
-                       check_drafter)
+from .registry import AUTO, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER, card_drafters, \
+    check_drafter
 from .sampling import SamplingParams
 from .speculative import speculative_decode
 from .stats import DecodeResult
 
-ENGINES = ("torch", "llamacpp")
-TORCH_DRAFTERS = ("draft_model", "mtp", "lookup_mtp")  # need the target's torch weights (not on llama.cpp)
-
-__all__ = ["ContextLengthError", "ENGINES", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
+__all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
 
 
 class ContextLengthError(SpecAgentError, ValueError):
@@ -47,46 +44,42 @@ class Generator:
     """Constrained (speculative) generation with one target model.
 
     Args:
-        model: a :class:`LoadedModel` or a spec for :func:`decoding.loader.load_model`.
+        model: a loaded model of some backend (:class:`LoadedModel`, :class:`decoding.llamacpp.LlamaCppModel`; its
+            backend is the row whose ``model_type`` it is) or a spec for that backend's loader.
         drafter: default drafting mode (see module docstring).
         num_draft_tokens: γ, drafter tokens per window.
         adaptive: adapt γ online from acceptance.
         draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
-        device, dtype: used when ``model`` is a spec (torch engine).
+        device, dtype: used when ``model`` is a spec (torch backend).
         kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``, torch
-            engine); None: static on CUDA, dynamic elsewhere.
-        engine: ``"torch"`` (transformers, fp32/bf16 weights, CPU or CUDA) or ``"llamacpp"`` (llama.cpp's CPU
-            kernels on the GGUF as shipped, ``decoding/llamacpp.py``), used when ``model`` is a spec; a
-            :class:`decoding.llamacpp.LlamaCppModel` selects ``llamacpp``.
-        threads: CPU threads of the llama.cpp engine (default 1: the batch-invariant setting that keeps greedy
+            backend); None: static on CUDA, dynamic elsewhere.
+        backend: a row of :data:`decoding.backends.BACKENDS` (default ``torch``), used when ``model`` is a spec;
+            ``engine`` is its alias.
+        threads: CPU threads of the llama.cpp backend (default 1: the batch-invariant setting that keeps greedy
             speculative output token-identical; see :func:`decoding.llamacpp.default_threads`).
 
     Raises:
-        ValueError: unknown engine or drafter; ``device``/``dtype`` other than the defaults with ``engine="llamacpp"``.
-        LlamaCppUnavailableError: ``engine="llamacpp"`` without llama-cpp-python installed.
+        ValueError: unknown backend or drafter, a drafter the backend cannot run, ``device``/``dtype`` that do not
+            apply to the backend.
+        LlamaCppUnavailableError: ``backend="llamacpp"`` without llama-cpp-python installed.
     """
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
-                 device: str = "cpu", dtype: str = "float32", engine: str = "torch", threads: int | None = None,
-                 kv_cache: str | None = None):
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-        if isinstance(model, (LoadedModel, LlamaCppModel)):
-            self.loaded = model
-        elif engine == "llamacpp":
-            if device != "cpu" or dtype not in ("float32", "fp32"):
-                raise ValueError(f"engine='llamacpp' runs the GGUF as shipped on the CPU: device={device!r}, "
-                                 f"dtype={dtype!r} apply to engine='torch' only")
-            self.loaded = load_llamacpp(model, n_threads=threads)
+                 device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
+                 threads: int | None = None, kv_cache: str | None = None):
+        name = backend_name(backend, engine)
+        if isinstance(model, str):
+            self.backend: Backend = BACKENDS[name]
+            self.loaded = self.backend.load(model, device=device, dtype=dtype, threads=threads)
         else:
-            self.loaded = load_model(model, device=device, dtype=dtype)
-        self.engine = "llamacpp" if isinstance(self.loaded, LlamaCppModel) else "torch"
+            self.backend = backend_of(model)
+            self.loaded = model
         self.tokenizer = self.loaded.tokenizer
         self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
         check_drafter(drafter)
-        if drafter in TORCH_DRAFTERS:
-            self._need_torch(drafter)
+        if drafter != AUTO:
+            self.check_supported(drafter)
         self.drafter = drafter
         self.kv_cache = check_cache(kv_cache)
         self.num_draft_tokens = num_draft_tokens
@@ -99,6 +92,24 @@ class Generator:
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
 
+    @property
+    def engine(self) -> str:
+        """The backend's name (``engine`` is the older word for it, kept as an alias)."""
+        return self.backend.name
+
+    def supports(self, drafter: str) -> bool:
+        """Whether this generator's backend provides what drafter row ``drafter`` needs."""
+        return self.backend.supports(DRAFTERS[drafter].needs)
+
+    def check_supported(self, drafter: str) -> None:
+        """Raise ``ValueError`` when the backend lacks what drafter row ``drafter`` needs, naming what it lacks
+        and the drafters it can run."""
+        if not self.supports(drafter):
+            missing = sorted(DRAFTERS[drafter].needs - self.backend.provides)
+            usable = [d for d in DRAFTERS if self.supports(d)]
+            raise ValueError(f"the {drafter} drafter needs {', '.join(missing)}, which backend "
+                             f"{self.backend.name!r} does not provide; use one of {', '.join(usable)}")
+
     def new_state(self, grammar: Grammar) -> ConstraintState:
         """A fresh grammar state for one sequence."""
         return ConstraintState(self.llg_tokenizer, grammar)
@@ -110,7 +121,7 @@ class Generator:
             ValueError: no ``draft_model=`` was given, or its tokenizer differs from the target's.
             ModelNotFoundError: the draft model's files are missing.
         """
-        self._need_torch("draft_model")
+        self.check_supported("draft_model")
         with self._lock:
             if self._draft_loaded is None:
                 if self._draft_spec is None:
@@ -125,7 +136,7 @@ class Generator:
 
     def mtp_head(self):
         """The model's MTP head (loaded once; raises FileNotFoundError / MTPError when none fits)."""
-        self._need_torch("mtp")
+        self.check_supported("mtp")
         with self._lock:
             if self._mtp_head is None:
                 self._mtp_head, self._mtp_card = load_head(self.loaded, self.mtp_checkpoint)
@@ -134,38 +145,31 @@ class Generator:
     def resolve_drafter(self, name: str) -> str:
         """The drafter mode ``name`` stands for: itself, or for ``auto`` the ``"drafter"`` named in the card of the
         model's MTP head (e.g. ``lookup_mtp`` for Qwen2.5-Coder-0.5B, measured fastest on the benchmark's test
-        split) when the engine is torch and a head loads, else ``lookup``. Resolved once per generator.
+        split) when the backend runs the head and a head loads, else ``lookup``. Resolved once per generator.
 
         Raises:
-            MTPError: the card names something other than one of ``decoding.registry.CARD_DRAFTERS``.
+            MTPError: the card names something other than one of ``decoding.registry.card_drafters()``.
         """
         if name != AUTO:
             return name
         if self._auto is None:
             choice = FALLBACK_DRAFTER
-            if self.engine == "torch":
+            if self.supports("mtp"):
                 try:
                     self.mtp_head()
                 except FileNotFoundError:  # no head for this model: its card stays {}, so lookup
                     pass
                 choice = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
-                if choice not in CARD_DRAFTERS:
+                if choice not in card_drafters():
                     raise MTPError(f"the MTP card of {self.loaded.name} names drafter {choice!r}; a card may name "
-                                   f"{', '.join(CARD_DRAFTERS)}")
+                                   f"{', '.join(card_drafters())}")
             self._auto = choice
         return self._auto
 
-    def _need_torch(self, what: str) -> None:
-        if self.engine != "torch":
-            raise ValueError(f"the {what} drafter needs the target's torch weights (hidden states, a torch draft "
-                             f"model); with engine={self.engine!r} use drafter none, forced, schema or lookup")
-
     def new_target(self):
-        """A fresh KV-cached forward wrapper of the target (:class:`CausalLM` or the llama.cpp engine's
-        :class:`decoding.llamacpp.LlamaCppLM`) for one decode."""
-        if self.engine == "llamacpp":
-            return self.loaded.new_lm()
-        return CausalLM(self.loaded, cache=self.kv_cache)
+        """A fresh KV-cached forward wrapper of the target for one decode (a
+        :class:`decoding.backends.TargetModel` from the backend's row)."""
+        return self.backend.new_target(self.loaded, self.kv_cache)
 
     def make_drafter(self, name: str) -> Drafter | None:
         """A fresh drafter for mode ``name`` from :data:`decoding.registry.DRAFTERS` (None for ``none`` /
@@ -197,6 +201,8 @@ class Generator:
             max_new_tokens = min(max_new_tokens, limit - len(prompt))
         state = grammar if isinstance(grammar, ConstraintState) else self.new_state(grammar)
         mode = self.resolve_drafter(drafter or self.drafter)
+        check_drafter(mode)
+        self.check_supported(mode)
         target = self.new_target()
         on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
         if mode == "none":

@@ -1,8 +1,8 @@
-"""The llama.cpp engine: the target's forward on llama.cpp's CPU kernels (GGUF weights as shipped, quantised),
+"""The llama.cpp backend: the target's forward on llama.cpp's CPU kernels (GGUF weights as shipped, quantised),
 through llama-cpp-python's low-level C API.
 
 Everything above the forward is unchanged: drafters, schema-forced tokens, per-row bitmasks over the γ+1 verify
-rows, Leviathan acceptance and rollback run exactly as with the torch engine (``decoding/speculative.py``); only
+rows, Leviathan acceptance and rollback run exactly as with the torch backend (``decoding/speculative.py``); only
 :class:`LlamaCppLM` differs from :class:`decoding.model.CausalLM`:
 
 * ``forward(tokens, num_logits=n)`` is one ``llama_decode`` over the tokens, with logits requested for the last
@@ -12,17 +12,17 @@ rows, Leviathan acceptance and rollback run exactly as with the torch engine (``
 * ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
   ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
 * the Hugging Face tokenizer read from the same GGUF renders the chat template and builds the grammar tokenizer, as
-  on the torch engine, so one grammar means the same on both engines (token ids are the GGUF's: llama.cpp's own
+  on the torch backend, so one grammar means the same on both engines (token ids are the GGUF's: llama.cpp's own
   tokenizer gives the same ids, tested). ``llguidance.llamacpp.lltokenizer_from_vocab`` is not used: it marks
   every ``<…>`` user-defined token special (Qwen's ``<tool_call>``), which the HF tokenizer keeps matchable as text.
 
 Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
 k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36, AVX2): with one thread
 and no weight repacking the logits are bit-identical (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M); with two threads, or
-with repacking (Q4_K), they differ by up to ~1 logit and a near-tie argmax flips. So the engine defaults to one
+with repacking (Q4_K), they differ by up to ~1 logit and a near-tie argmax flips. So the backend defaults to one
 thread and ``repack=False`` (:func:`default_threads`); ``threads=N`` trades exact identity for speed.
 ``tests/test_llamacpp.py`` checks both the bit-identity and the token identity; the benchmark reports
-``identical_to_constrained`` per engine.
+``identical_to_constrained`` per backend.
 
 Cost model (measured, one thread): llama.cpp's CPU matmuls over these quantised types cost nearly in proportion to
 the rows fed (SmolLM2 Q4_1: 14–20 ms for 1 row, 111–133 ms for 8; Qwen2.5-Coder-0.5B Q4_K_M: 47 ms for 1, 344 ms
@@ -63,7 +63,7 @@ def _llama_cpp():
     try:
         import llama_cpp
     except ImportError as e:
-        raise LlamaCppUnavailableError(f"the llama.cpp engine needs llama-cpp-python ({e}); install it with: "
+        raise LlamaCppUnavailableError(f"the llama.cpp backend needs llama-cpp-python ({e}); install it with: "
                                        f"{INSTALL}") from None
     log = logging.getLogger("llama-cpp-python")  # llama.cpp's own log lines go through this logger
     if log.level == logging.NOTSET:  # left unset, it prints everything; llama.cpp logs its load chatter (the
@@ -76,7 +76,7 @@ def gguf_of(spec: str) -> tuple[Path, str, str]:
     path.
 
     Raises:
-        ModelNotFoundError: not an alias or an existing ``.gguf`` file (the llama.cpp engine reads GGUF only).
+        ModelNotFoundError: not an alias or an existing ``.gguf`` file (the llama.cpp backend reads GGUF only).
     """
     if spec in KNOWN_MODELS:
         src = KNOWN_MODELS[spec]
@@ -84,14 +84,14 @@ def gguf_of(spec: str) -> tuple[Path, str, str]:
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path, path.name, sha256_file(path)
-    raise ModelNotFoundError(f"the llama.cpp engine loads GGUF files: {spec!r} is neither an alias "
-                             f"({', '.join(sorted(KNOWN_MODELS))}) nor a .gguf file; use engine='torch' for a "
+    raise ModelNotFoundError(f"the llama.cpp backend loads GGUF files: {spec!r} is neither an alias "
+                             f"({', '.join(sorted(KNOWN_MODELS))}) nor a .gguf file; use backend='torch' for a "
                              f"Hugging Face directory or id")
 
 
 def gguf_tokenizer(gguf: Path, sha256: str):
     """The Hugging Face tokenizer (with its chat template) stored in a GGUF, cached once per file
-    (``$SPECAGENT_CACHE/tokenizers/<sha256[:16]>``; the torch engine's converted directory is used when present)."""
+    (``$SPECAGENT_CACHE/tokenizers/<sha256[:16]>``; the torch backend's converted directory is used when present)."""
     from transformers import AutoTokenizer
 
     for d in (cache_root() / "models" / sha256[:16], cache_root() / "tokenizers" / sha256[:16]):
@@ -280,7 +280,7 @@ class LlamaCppLM:
 
     The context holds keys/values for ``self.length`` tokens of one sequence; :meth:`forward` appends, :meth:`crop`
     removes from the end. Hidden states are not exposed (drafters that need them, the MTP head, need the torch
-    engine).
+    backend).
     """
 
     def __init__(self, model: LlamaCppModel, ctx: _Context):
@@ -302,7 +302,7 @@ class LlamaCppLM:
             the number of prompt tokens whose keys/values were reused (0 .. ``len(prompt) - 1``).
 
         Keys/values are what a fresh prefill computes only where a row's result does not depend on the batch it
-        was computed in: measured bit-identical with one thread and no repacking (the engine's default); with
+        was computed in: measured bit-identical with one thread and no repacking (the backend's default); with
         more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
         """
         cached = self.ctx.tokens
@@ -333,8 +333,8 @@ class LlamaCppLM:
             RuntimeError: ``llama_decode`` failed.
         """
         if hidden:
-            raise ValueError("the llama.cpp engine does not expose hidden states; drafters that need them (mtp, "
-                             "lookup_mtp) run on engine='torch'")
+            raise ValueError("the llama.cpp backend does not expose hidden states; drafters that need them (mtp, "
+                             "lookup_mtp) run on backend='torch'")
         if not tokens:
             raise ValueError("forward needs at least one token")
         if self.ctx.length + len(tokens) > self.loaded.n_ctx:
@@ -356,8 +356,8 @@ class LlamaCppLM:
 
 
 def default_threads() -> int:
-    """Threads of the llama.cpp engine when none are given: 1, the setting measured batch-invariant (a row's logits in
+    """Threads of the llama.cpp backend when none are given: 1, the setting measured batch-invariant (a row's logits in
     a k-row verify batch bit-identical to the row alone), so that greedy speculative output is token-identical to
     one token per forward. More threads are faster per forward, but llama.cpp then splits k-row and one-row work
-    differently and a near-tie argmax can flip (measured: README, "The llama.cpp engine")."""
+    differently and a near-tie argmax can flip (measured: README, "The llama.cpp backend")."""
     return 1

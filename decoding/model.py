@@ -74,7 +74,7 @@ class CausalLM:
             self._set_static_length(0)
 
     def reuse_prefix(self, prompt: list[int]) -> int:
-        """Prefix caching hook of the engine interface (see ``LlamaCppLM.reuse_prefix``): this cache lives for one
+        """Prefix caching hook of the backend interface (see ``LlamaCppLM.reuse_prefix``): this cache lives for one
         decode, so nothing is reused — it is emptied and 0 is returned."""
         self.reset()
         return 0

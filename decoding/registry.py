@@ -9,8 +9,10 @@ MTP head) and returns a fresh drafter for one sequence, or None: ``none`` is the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .backends import HIDDEN_STATES, TORCH_WEIGHTS
 from .drafters import ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
 from .model import CausalLM
 from .mtp import MTPDrafter
@@ -20,32 +22,67 @@ if TYPE_CHECKING:
 
 DrafterFactory = Callable[["Generator"], "Drafter | None"]
 
-DRAFTERS: dict[str, DrafterFactory] = {
-    "none": lambda gen: None,
-    "forced": lambda gen: None,
-    "schema": lambda gen: SchemaDrafter(),
-    "lookup": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]),
-    "draft_model": lambda gen: ChainDrafter([SchemaDrafter(),
-                                             DraftModelDrafter(CausalLM(gen.draft_model(), cache=gen.kv_cache))]),
+
+@dataclass(frozen=True)
+class DrafterRow:
+    """One row of :data:`DRAFTERS`.
+
+    Attributes:
+        make: the factory: ``make(generator) -> Drafter | None``, a fresh drafter for one sequence.
+        needs: what the drafter needs from the backend (``decoding.backends.HIDDEN_STATES``, ``TORCH_WEIGHTS``);
+            a backend that does not provide it all refuses the drafter (``Backend.supports``).
+        summary: one line for docs and help.
+    """
+
+    make: DrafterFactory
+    needs: frozenset[str] = frozenset()
+    summary: str = ""
+
+    def __call__(self, generator: "Generator") -> Drafter | None:
+        return self.make(generator)
+
+
+_MTP_NEEDS = frozenset({HIDDEN_STATES, TORCH_WEIGHTS})  # the head reads the target's states and its torch weights
+
+DRAFTERS: dict[str, DrafterRow] = {
+    "none": DrafterRow(lambda gen: None, summary="non-speculative reference: one token per target forward"),
+    "forced": DrafterRow(lambda gen: None, summary="schema-forced tokens only (the mask allows one token)"),
+    "schema": DrafterRow(lambda gen: SchemaDrafter(), summary="forced + llguidance fast-forward tokens"),
+    "lookup": DrafterRow(lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]),
+                         summary="forced + fast-forward + prompt lookup"),
+    "draft_model": DrafterRow(
+        lambda gen: ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(gen.draft_model(), cache=gen.kv_cache))]),
+        needs=frozenset({TORCH_WEIGHTS}), summary="forced + fast-forward + a smaller draft model (same tokenizer)"),
     # forced tokens are free; the head drafts the rest
-    "mtp": lambda gen: MTPDrafter(gen.mtp_head()),
-    "lookup_mtp": lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(gen.mtp_head())]),
+    "mtp": DrafterRow(lambda gen: MTPDrafter(gen.mtp_head()), needs=_MTP_NEEDS,
+                      summary="forced + the model's MTP head"),
+    "lookup_mtp": DrafterRow(
+        lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter(), MTPDrafter(gen.mtp_head())]),
+        needs=_MTP_NEEDS, summary="forced + fast-forward + prompt lookup, the MTP head where lookup finds nothing"),
 }
 # ``auto``: the drafter the model's MTP head card names (``"drafter"``, the fastest on the benchmark's test split),
-# where a head loads on the torch engine; else ``lookup`` (resolved by ``Generator.resolve_drafter``)
+# where a head loads on a backend that runs it; else ``lookup`` (resolved by ``Generator.resolve_drafter``)
 AUTO = "auto"
 FALLBACK_DRAFTER = "lookup"
 DEFAULT_DRAFTER = AUTO
-DRAFTER_CHOICES = (AUTO, *DRAFTERS)
-# what an MTP card's "drafter" may name (``draft_model`` needs a second model, which a card cannot supply)
-CARD_DRAFTERS = tuple(d for d in DRAFTERS if d != "draft_model")
 DEFAULT_NUM_DRAFT_TOKENS = 4  # γ, drafter tokens per speculative window
+
+
+def drafter_choices() -> tuple[str, ...]:
+    """``auto`` and every row of :data:`DRAFTERS`, read now (a row added later is a choice too)."""
+    return (AUTO, *DRAFTERS)
+
+
+def card_drafters() -> tuple[str, ...]:
+    """What an MTP card's ``"drafter"`` may name (``draft_model`` needs a second model, which a card cannot
+    supply)."""
+    return tuple(d for d in DRAFTERS if d != "draft_model")
 
 
 def check_drafter(name: str) -> None:
     """Raise ``ValueError`` naming the choices unless ``name`` is ``auto`` or a row of :data:`DRAFTERS`."""
-    if name not in DRAFTER_CHOICES:
-        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_CHOICES)}")
+    if name not in drafter_choices():
+        raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_choices())}")
 
 
 def make_drafter(name: str, generator: "Generator") -> Drafter | None:
@@ -53,4 +90,4 @@ def make_drafter(name: str, generator: "Generator") -> Drafter | None:
     ``forced``). Raises ``ValueError`` for an unknown name, and whatever the factory raises (no draft model, no MTP
     checkpoint)."""
     check_drafter(name)
-    return DRAFTERS[generator.resolve_drafter(name)](generator)
+    return DRAFTERS[generator.resolve_drafter(name)].make(generator)

@@ -18,7 +18,6 @@ wrap-up are shared with the reference decoder (:func:`decoding.decoder.start_dec
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,8 +26,8 @@ import torch
 from constraints import ConstraintState, apply_bitmask, is_allowed_row, single_allowed
 
 from .decoder import finish_decode, start_decode
-from .drafters import Drafter
-from .model import CausalLM
+from .backends import TargetModel
+from .drafters import Drafter, NoDrafter
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import DecodeResult
 
@@ -99,7 +98,7 @@ def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int]
     return Draft(tokens, qs, forced, rows)
 
 
-def verify(target: CausalLM, cur: int, draft: Draft, bitmask: torch.Tensor, *,
+def verify(target: TargetModel, cur: int, draft: Draft, bitmask: torch.Tensor, *,
            hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target forward over ``[cur, d1 … dk]`` (a trailing EOS needs no logits after it).
 
@@ -154,7 +153,8 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
     Leviathan et al. 2023, Alg. 1: accept ``d`` with probability ``min(1, p(d)/q(d))``; at the first rejection
     the bonus is drawn from ``norm(max(0, p − q))``; if all are accepted, from ``p`` at row k. A proposal with
     ``q(d) = 0`` (or no q) is verified as a deterministic one (one-hot q), which is exact for any proposal;
-    schema-forced tokens are always accepted (``p(d) = 1``).
+    schema-forced tokens are always accepted (``p(d) = 1``). Three steps: :func:`draft_q` (q of each draft token),
+    :func:`first_rejection` (the uniforms), :func:`bonus_distribution` (residual or p).
 
     Args:
         masked: masked target logits ``float [rows, V]`` on the device.
@@ -163,46 +163,81 @@ def accept_sampled(masked: torch.Tensor, draft: Draft, sampling: SamplingParams,
         ``(num_accepted, bonus token or None)``; one host sync per window.
     """
     p = probs_from_logits(masked, sampling)
-    rows, vocab = p.shape
     k = len(draft.tokens)
-    bonus_row = k < rows and k < draft.rows  # row k exists: a bonus follows a fully accepted window
+    bonus_row = k < p.shape[0] and k < draft.rows  # row k exists: a bonus follows a fully accepted window
     if k == 0:
         return 0, (sample(p[0], generator) if bonus_row else None)
-    device = p.device
-    draft_tokens = torch.tensor(draft.tokens, device=device)
-    steps = torch.arange(k, device=device)
-    p_draft = p[steps, draft_tokens]  # p(d) [k]
-    with_q = [j for j, qj in enumerate(draft.q) if qj is not None]
-    raw_q = torch.zeros(k, device=device)  # q(d) [k]; 0 where there is no q
-    if with_q:
-        qs = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])  # [m, V]
-        raw_q[with_q] = qs[torch.arange(len(with_q), device=device), draft_tokens[with_q]]
-        q_of = torch.zeros(k, dtype=torch.long)  # the row of `qs` holding draft j's q
-        q_of[with_q] = torch.arange(len(with_q))
-        q_of = q_of.to(device)
-    one_hot = ~(raw_q > 0.0)  # no q, or q(d) = 0 (or NaN): verified as deterministic, q = one-hot(d)
-    draft_q = torch.where(one_hot, 1.0, raw_q)
-    accept_prob = (p_draft / draft_q).clamp_max(1.0)
-    uniforms = torch.rand(k, generator=generator, device=generator.device).to(device)
-    forced = torch.tensor(draft.forced, device=device)
-    rejected = ~(forced | (uniforms < accept_prob))
-    num_accepted = torch.where(rejected.any(), rejected.int().argmax(), k)  # first rejection, or k
-    # the bonus: from the residual norm(max(0, p − q)) at row n (p itself if that is empty), or from p at row k
-    at = num_accepted.clamp(max=k - 1)
-    p_at = p.index_select(0, at)[0]
-    residual = p_at.index_fill(0, draft_tokens.index_select(0, at), 0.0)  # max(0, p − one-hot(d)): d zeroed
-    if with_q:
-        with_draft_q = (p_at - qs.index_select(0, q_of.index_select(0, at))[0]).clamp_min(0.0)
-        residual = torch.where(one_hot.index_select(0, at), residual, with_draft_q)
-    total = residual.sum()
-    residual = torch.where(total > 0.0, residual / total.clamp_min(1e-30), p_at)
-    p_next = p.index_select(0, num_accepted.clamp(max=rows - 1))[0]
-    dist = torch.where(num_accepted < k, residual, p_next)
-    bonus = torch.multinomial(dist.to(generator.device), 1, generator=generator)[0].to(device)
+    draft_tokens = torch.tensor(draft.tokens, device=p.device)
+    q = draft_q(draft, draft_tokens, p.shape[1])
+    p_draft = p[torch.arange(k, device=p.device), draft_tokens]  # p(d) [k]
+    num_accepted = first_rejection((p_draft / q.at_draft).clamp_max(1.0), draft.forced, generator)
+    dist = bonus_distribution(p, num_accepted, draft_tokens, q)
+    bonus = torch.multinomial(dist.to(generator.device), 1, generator=generator)[0].to(p.device)
     n, token = torch.stack([num_accepted, bonus]).tolist()  # the one host sync
     if n == k and not bonus_row:
         return n, None
     return n, token
+
+
+@dataclass
+class DraftQ:
+    """The draft distributions of one window on the device.
+
+    Attributes:
+        at_draft: ``q(d)`` per draft token ``float32 [k]``; 1 where the draft is verified as deterministic.
+        one_hot: ``bool [k]``: no q, or ``q(d) = 0``: verified as deterministic, ``q = one-hot(d)``.
+        rows: the given q's stacked ``float32 [m, V]`` (None when no token has one), ``row_of``: ``long [k]``,
+            draft j's row in ``rows``.
+    """
+
+    at_draft: torch.Tensor
+    one_hot: torch.Tensor
+    rows: torch.Tensor | None
+    row_of: torch.Tensor | None
+
+
+def draft_q(draft: Draft, draft_tokens: torch.Tensor, vocab: int) -> DraftQ:
+    """The window's q's over the target's vocabulary width (step 1 of :func:`accept_sampled`)."""
+    device, k = draft_tokens.device, len(draft.tokens)
+    with_q = [j for j, qj in enumerate(draft.q) if qj is not None]
+    raw_q = torch.zeros(k, device=device)  # q(d) [k]; 0 where there is no q
+    rows = row_of = None
+    if with_q:
+        rows = torch.stack([_fit(draft.q[j], vocab).to(device, torch.float32) for j in with_q])  # [m, V]
+        raw_q[with_q] = rows[torch.arange(len(with_q), device=device), draft_tokens[with_q]]
+        row_of = torch.zeros(k, dtype=torch.long)
+        row_of[with_q] = torch.arange(len(with_q))
+        row_of = row_of.to(device)
+    one_hot = ~(raw_q > 0.0)  # also NaN
+    return DraftQ(torch.where(one_hot, 1.0, raw_q), one_hot, rows, row_of)
+
+
+def first_rejection(accept_prob: torch.Tensor, forced: list[bool], generator: torch.Generator) -> torch.Tensor:
+    """Step 2 of :func:`accept_sampled`: draft j is accepted when ``u_j < accept_prob[j]`` (``k`` uniforms drawn
+    at once) or when it is schema-forced. Returns the number accepted before the first rejection (``long []``,
+    ``k`` when none is rejected), on ``accept_prob``'s device."""
+    k, device = accept_prob.shape[0], accept_prob.device
+    uniforms = torch.rand(k, generator=generator, device=generator.device).to(device)
+    rejected = ~(torch.tensor(forced, device=device) | (uniforms < accept_prob))
+    return torch.where(rejected.any(), rejected.int().argmax(), k)
+
+
+def bonus_distribution(p: torch.Tensor, num_accepted: torch.Tensor, draft_tokens: torch.Tensor,
+                       q: DraftQ) -> torch.Tensor:
+    """Step 3 of :func:`accept_sampled`: the bonus token's distribution ``float [V]``: after a rejection at row n,
+    the residual ``norm(max(0, p[n] − q_n))`` (``p[n]`` itself if that is empty); after a fully accepted window,
+    ``p`` at row k. Tensor ops only (no host sync)."""
+    k = draft_tokens.shape[0]
+    at = num_accepted.clamp(max=k - 1)
+    p_at = p.index_select(0, at)[0]
+    residual = p_at.index_fill(0, draft_tokens.index_select(0, at), 0.0)  # max(0, p − one-hot(d)): d zeroed
+    if q.rows is not None:
+        with_draft_q = (p_at - q.rows.index_select(0, q.row_of.index_select(0, at))[0]).clamp_min(0.0)
+        residual = torch.where(q.one_hot.index_select(0, at), residual, with_draft_q)
+    total = residual.sum()
+    residual = torch.where(total > 0.0, residual / total.clamp_min(1e-30), p_at)
+    p_next = p.index_select(0, num_accepted.clamp(max=p.shape[0] - 1))[0]
+    return torch.where(num_accepted < k, residual, p_next)
 
 
 def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
@@ -212,7 +247,7 @@ def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(q, (0, width - q.shape[-1]))
 
 
-def commit(state: ConstraintState, target: CausalLM, draft: Draft, num_accepted: int, bonus: int | None,
+def commit(state: ConstraintState, target: TargetModel, draft: Draft, num_accepted: int, bonus: int | None,
            base: int, eos: int) -> tuple[list[int], str | None]:
     """Keep the accepted drafts and the bonus token; roll the rest back.
 
@@ -237,76 +272,54 @@ def commit(state: ConstraintState, target: CausalLM, draft: Draft, num_accepted:
     return accepted + [bonus], None
 
 
-def speculative_decode(target: CausalLM, prompt: list[int], state: ConstraintState, drafter: Drafter | None, *,
+def speculative_decode(target: TargetModel, prompt: list[int], state: ConstraintState, drafter: Drafter | None, *,
                        num_draft_tokens: int = 4, max_new_tokens: int = 256,
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
                        max_num_draft_tokens: int = 8, max_window: int = 32, eos_token_id: int | None = None,
                        tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
-    """Constrained speculative decoding (see module docstring).
-
-    Args:
-        target: the target model.
-        prompt: prompt token ids.
-        state: grammar state of the sequence (advanced in place by the output).
-        drafter: proposes non-forced draft tokens; None = schema-forced tokens only.
-        num_draft_tokens: γ, drafter tokens per window (forced tokens do not count; ``max_window`` caps both).
-        adaptive: adapt γ online with :meth:`Drafter.adapt_num_draft_tokens` (default: +2 after a fully accepted
-            window, −1 otherwise, transformers' "heuristic"), within ``[1, max_num_draft_tokens]``.
-        max_new_tokens: output budget (``stop_reason == "length"`` when reached).
-        sampling: greedy when ``temperature == 0``.
-        on_step: called after each committed step with the output tokens so far (tests check that the grammar
-            state and KV cache then equal those rebuilt from scratch).
-
-    Returns:
-        :class:`DecodeResult` with acceptance statistics.
-    """
+    """Constrained speculative decoding (module docstring): draft, verify, accept, commit until EOS, a complete
+    grammar or ``max_new_tokens``. ``drafter`` proposes non-forced tokens (None: schema-forced tokens only);
+    γ = ``num_draft_tokens`` drafter tokens per window (forced ones do not count; ``max_window`` caps both),
+    adapted online with ``adaptive`` (:meth:`Drafter.adapt_num_draft_tokens`, within ``max_num_draft_tokens``);
+    greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step, when the grammar
+    state and KV cache equal those rebuilt from scratch. Returns a :class:`DecodeResult`."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    if drafter is not None:
-        drafter.reset()
-    needs_hidden = drafter is not None and drafter.needs_hidden_states  # an MTP head is seeded with target states
-    run = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1, hidden=needs_hidden)
-    if run.hidden is not None:  # the MTP head's prefill: its cache over the prompt (counted as prefill time)
-        t0 = time.perf_counter()
-        drafter.observe(run.hidden, prompt[1:], 0)
-        target.synchronize()
-        run.stats.prefill_seconds += time.perf_counter() - t0
-    stats, cur, gen = run.stats, run.cur, run.generator
-    seq = list(prompt)
-    tokens: list[int] = []
-    reported = 0  # output tokens already passed to on_step
-    gamma = num_draft_tokens
-    stop = "length"
+    drafter = drafter or NoDrafter()
+    drafter.reset()
+    run = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1,
+                       hidden=drafter.needs_hidden_states, observe=drafter.observe)
+    stats, cur, seq, tokens, gamma, stop = run.stats, run.cur, list(prompt), [], num_draft_tokens, None
     while len(tokens) < max_new_tokens and not state.is_stopped():  # finish_decode: stopped grammar → "grammar"
-        t0 = time.perf_counter()
-        budget = max_new_tokens - len(tokens)
-        draft = draft_window(state, drafter, seq, run.bitmask, gamma, min(max_window, budget - 1), sampling, gen,
-                             run.eos)
-        target.synchronize()  # a draft model's forwards run on the device too
-        t1 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
+        window = min(max_window, max_new_tokens - len(tokens) - 1)
+        with stats.timer("draft_seconds", target.synchronize):  # a draft model's forwards run on the device too
+            draft = draft_window(state, drafter, seq, run.bitmask, gamma, window, sampling, run.generator, run.eos)
         base = target.length
-        target_logits, hidden = verify(target, cur, draft, run.bitmask, hidden=needs_hidden)
+        with stats.timer("verify_seconds", target.synchronize):  # CUDA is asynchronous: time the work
+            target_logits, hidden = verify(target, cur, draft, run.bitmask, hidden=drafter.needs_hidden_states)
+            num_accepted, bonus = accept(target_logits, draft, sampling, run.generator)
         stats.target_forwards += 1
-        num_accepted, bonus = accept(target_logits, draft, sampling, gen)
-        target.synchronize()  # CUDA runs asynchronously: time the verify, not its launch
-        stats.verify_seconds += time.perf_counter() - t1
         num_drafted, num_model_accepted = stats.record_window(draft.forced, num_accepted)
         if adaptive and num_drafted:
             gamma = drafter.adapt_num_draft_tokens(gamma, num_drafted, num_model_accepted, max_num_draft_tokens)
-        new_tokens, stop_reason = commit(state, target, draft, num_accepted, bonus, base, run.eos)
+        new_tokens, stop = commit(state, target, draft, num_accepted, bonus, base, run.eos)
         tokens.extend(new_tokens)
-        if stop_reason is not None:
-            stop = stop_reason
+        report_step(on_step, tokens, new_tokens, target, len(prompt), final=stop is not None)
+        if stop is not None:
             break
         seq.extend(new_tokens)
-        if needs_hidden:  # the verify forward's states of cur + accepted drafts seed the next draft round
-            drafter.observe(hidden[: num_accepted + 1], new_tokens, base)
+        drafter.observe(None if hidden is None else hidden[:num_accepted + 1], new_tokens, base)  # MTP: seeds
         cur = new_tokens[-1]
-        if on_step is not None:
-            on_step(tokens)
-            reported = len(tokens)
-    if on_step is not None and len(tokens) > reported:  # the final window (ended by the grammar or EOS)
-        target.crop(min(target.length, len(prompt) + len(tokens) - 1))  # as after every step: all but the last
-        on_step(tokens)
-    return finish_decode(run, tokens, stop, state, tokenizer, target)
+    return finish_decode(run, tokens, stop or "length", state, tokenizer, target)
+
+
+def report_step(on_step: Callable[[list[int]], None] | None, tokens: list[int], new_tokens: list[int],
+                target: TargetModel, prompt_length: int, *, final: bool) -> None:
+    """Call ``on_step(tokens)`` after a step that committed ``new_tokens`` (none: nothing to report). After the
+    final window (``final=True``: it ended with EOS or a complete grammar, and :func:`commit` left the KV cache
+    as verified) the cache is first cropped, as after every step, to all but the last token."""
+    if on_step is None or not new_tokens:
+        return
+    if final:
+        target.crop(min(target.length, prompt_length + len(tokens) - 1))
+    on_step(tokens)

@@ -1,7 +1,10 @@
 """Decode statistics and results (small dataclasses; summed across turns with ``+``)."""
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from typing import Callable, Iterator
 
 
 @dataclass
@@ -56,6 +59,19 @@ class DecodeStats:
         """Emitted tokens per second of decode time (prefill excluded)."""
         t = self.seconds - self.prefill_seconds
         return self.new_tokens / t if t > 0 else 0.0
+
+    @contextmanager
+    def timer(self, name: str, synchronize: Callable[[], None] | None = None) -> Iterator[None]:
+        """Add the wall time (s) of the ``with`` block to the timing field ``name`` (e.g. ``"verify_seconds"``);
+        ``synchronize`` (e.g. ``target.synchronize``) is called at the end of the block first, so that queued device
+        work is timed, not its launch."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if synchronize is not None:
+                synchronize()
+            setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
 
     def record_position(self, position: int, accepted: bool) -> None:
         while len(self.drafted_by_position) <= position:

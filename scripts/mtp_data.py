@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/mtp_data.py --out data/mtp-smollm2 --seconds 2400   # then scripts/train_mtp.py --data …
 
-Sequences, each a prompt rendered exactly as the agent renders it (``agent.bfcl.bfcl_turn`` + the model's own tool
+Sequences, each a prompt rendered exactly as the agent renders it (``bench.bfcl.bfcl_turn`` + the model's own tool
 format from ``agent.formats.make_format``) followed by an answer:
 
 * BFCL **dev split** (``load_questions(cat, split="dev")``: the first half of each shared file) of every category:
@@ -207,7 +207,7 @@ def forced_flags(new_state, grammar, tokens: list[int], vocab: int) -> list[bool
 
 
 def bfcl_items(data_dir: Path, categories) -> list[tuple[str, dict]]:
-    from agent.bfcl import load_questions
+    from bench.bfcl import load_questions
 
     items = []
     for cat in categories:
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         ap.error(f"--sources: unknown {unknown}; choose from {list(SOURCES)}")
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    from agent.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, bfcl_turn
+    from bench.bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, bfcl_turn
     from agent.formats import make_format
     from decoding import Generator, load_model
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from decoding.mtp import MTPHead, save_head, target_sha256  # noqa: E402
-from decoding.registry import CARD_DRAFTERS  # noqa: E402
+from decoding.registry import card_drafters  # noqa: E402
 
 
 # -- data --------------------------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
                          "allowed token)")
     ap.add_argument("--save-dtype", choices=("float32", "float16"), default="float32",
                     help="dtype the weights are stored in (float16 halves the checkpoint)")
-    ap.add_argument("--drafter", choices=CARD_DRAFTERS, default=None,
+    ap.add_argument("--drafter", choices=card_drafters(), default=None,
                     help="the card's 'drafter': what the default drafter 'auto' uses with this head (default: the one "
                          "in the card already at --out, else lookup; set it from the benchmark)")
     ap.add_argument("--threads", type=int, default=1)

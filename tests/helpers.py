@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Callable
+
+import pytest
 
 import torch
 
-from agent.format import render_prompt, turn_grammar
+from agent.formats.generic import render_prompt, turn_grammar
+from bench.bfcl_dialect import tool_from_bfcl
 from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row, regex_grammar
-from decoding import CausalLM, Drafter, DraftModelDrafter, LoadedModel, SamplingParams, decode, speculative_decode
+from decoding import DRAFTERS, CausalLM, Drafter, Generator, LoadedModel, SamplingParams, speculative_decode
+from decoding.mtp import MTPHead, save_head, target_sha256
 from decoding.sampling import probs_from_logits
-from schemas.bfcl import tool_from_bfcl
 
 from conftest import tiny_llama
 
@@ -64,9 +68,57 @@ def char_model(vocab: int, seed: int):
     return tiny_llama(vocab, seed, hidden=16, layers=1, init=0.15)
 
 
-def loaded_model(model, name):
-    """``model`` as a LoadedModel with no tokenizer (CPU, float32)."""
-    return LoadedModel(model, None, name, None, torch.device("cpu"), torch.float32)
+def loaded_model(model, name, tokenizer=None):
+    """``model`` as a LoadedModel (CPU, float32; no tokenizer unless given)."""
+    return LoadedModel(model, tokenizer, name, None, torch.device("cpu"), torch.float32)
+
+
+def hf_char_tokenizer(char_tok):
+    """A Hugging Face fast tokenizer with the token strings and ids of a :class:`conftest.CharTokenizer` (EOS id 0),
+    so a :class:`decoding.Generator` runs the char models: its llguidance tokenizer has the same token bytes (it
+    may split a text differently; the tests pass token ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t.decode(): i for i, t in enumerate(char_tok.tokens)}
+    merges = [(m[:1].decode(), m[1:].decode()) for m in char_tok.tokens if len(m) == 2]
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)  # ASCII: bytes as is
+    inner.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=char_tok.tokens[0].decode())
+    assert tok.eos_token_id == char_tok.eos_token_id and len(tok) == len(char_tok.tokens)
+    return tok
+
+
+# -- every row of the drafter table (decoding.DRAFTERS) -----------------------------------------------------------
+# what the tiny torch test models give a drafter: hidden states and torch weights (the MTP head's shared weights, a
+# draft model on the same device); :func:`registry_generator` supplies the draft model and an MTP head
+TINY_PROVIDES = frozenset({"hidden_states", "torch_weights"})
+
+
+def drafter_params(provides: frozenset[str] = TINY_PROVIDES) -> list:
+    """One ``pytest.param`` per row of :data:`decoding.DRAFTERS` (id: its name), so a new row is tested by adding
+    it. A row that needs what the tiny test models cannot give (its ``needs`` beyond ``provides``) is marked skip,
+    with the row and the reason, never left out."""
+    params = []
+    for name in list(DRAFTERS):
+        missing = set(getattr(DRAFTERS[name], "needs", ())) - set(provides)
+        marks = [pytest.mark.skip(reason=f"drafter {name!r} needs {sorted(missing)}, which the tiny test models "
+                                         f"do not provide")] if missing else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+def registry_generator(target: LoadedModel, draft: LoadedModel, mtp_dir: Path, *, head_seed: int = 5,
+                       **kwargs) -> Generator:
+    """A Generator on ``target`` that builds every row of :data:`decoding.DRAFTERS`: ``draft`` is its draft model
+    and a randomly initialised MTP head for ``target`` (seed ``head_seed``, saved to ``mtp_dir``) its MTP head."""
+    torch.manual_seed(head_seed)
+    head = MTPHead(target.model).eval()
+    save_head(head, Path(mtp_dir), {"target_sha256": target_sha256(target), "stand_in": "final_norm"})
+    gen = Generator(target, draft_model=draft, **kwargs)
+    gen.mtp_checkpoint = Path(mtp_dir)
+    return gen
 
 
 @torch.inference_mode()
@@ -106,17 +158,25 @@ class FixedDrafter(Drafter):
         return (self.token, None) if is_allowed_row(bitmask_row, self.token) else None
 
 
-def speculative_sampling_tv(char_tokenizer, drafter_kind: str, n: int = 1500,
+FIXED = "fixed"  # not a row of the drafter table: deterministic drafts (one-hot q) from FixedDrafter
+
+
+def speculative_sampling_tv(char_tokenizer, drafter: str, workdir: Path, n: int = 1500,
                             place: Callable[[LoadedModel], LoadedModel] = lambda loaded: loaded) -> float:
     """Total-variation distance between ``n`` seeded samples of (speculative) constrained sampling and the exact
     distribution of constrained sampling, on ``[ab]{2,3}`` after ``ab:`` with char models (target seed 11, draft
-    seed 12; the exact one computed on CPU). ``drafter_kind``: ``draft_model``, ``fixed`` (one-hot q) or ``none``
-    (the reference decoder); ``place`` moves a model (e.g. onto CUDA). Expected ~0.03 at n=1500; a wrong
-    acceptance or residual rule gives > 0.1."""
-    tok, llt = char_tokenizer
+    seed 12, a random MTP head saved under ``workdir``; the exact one computed on CPU).
+
+    ``drafter``: a row of :data:`decoding.DRAFTERS`, run as the product runs it (``Generator.generate``; ``none``
+    is the reference decoder), or :data:`FIXED` (one-hot q). ``place`` moves a model (e.g. onto CUDA). Expected
+    ~0.03 at n=1500; a wrong acceptance or residual rule gives > 0.1."""
+    tok, _ = char_tokenizer
+    hf_tok = hf_char_tokenizer(tok)
     vocab = len(tok.tokens)
-    target_cpu = loaded_model(char_model(vocab, 11), "t")
-    target, draft = place(target_cpu), place(loaded_model(char_model(vocab, 12), "d"))
+    target_cpu = loaded_model(char_model(vocab, 11), "t", hf_tok)
+    target, draft = place(target_cpu), place(loaded_model(char_model(vocab, 12), "d", hf_tok))
+    gen = registry_generator(target, draft, workdir, num_draft_tokens=3)
+    llt = gen.llg_tokenizer
     grammar = regex_grammar("[ab]{2,3}")
     prompt = tok("ab:")
     exact = exact_distribution(target_cpu.model, llt, grammar, prompt, SamplingParams(temperature=1.0))
@@ -124,13 +184,12 @@ def speculative_sampling_tv(char_tokenizer, drafter_kind: str, n: int = 1500,
     counts = Counter()
     for seed in range(n):
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        state = ConstraintState(llt, grammar)
-        if drafter_kind == "none":
-            res = decode(CausalLM(target), prompt, state, max_new_tokens=4, sampling=sampling)
-        else:
-            drafter = DraftModelDrafter(CausalLM(draft)) if drafter_kind == "draft_model" else FixedDrafter(tok("a")[0])
-            res = speculative_decode(CausalLM(target), prompt, state, drafter, num_draft_tokens=3, max_new_tokens=4,
+        if drafter == FIXED:
+            res = speculative_decode(CausalLM(target), prompt, ConstraintState(llt, grammar),
+                                     FixedDrafter(tok("a")[0]), num_draft_tokens=3, max_new_tokens=4,
                                      sampling=sampling)
+        else:
+            res = gen.generate(prompt, grammar, drafter=drafter, max_new_tokens=4, sampling=sampling)
         counts[tuple(res.tokens)] += 1
     return 0.5 * sum(abs(exact.get(k, 0.0) - counts[k] / n) for k in set(exact) | set(counts))
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from agent import Agent
-from agent.format import parse_turn, render_call_text, turn_grammar
+from agent.formats.generic import parse_turn, render_call_text, turn_grammar
 from decoding import Generator
 from schemas import SchemaError, Tool, ToolCallError, ToolError
 
@@ -103,14 +103,36 @@ def test_duplicate_tools_and_bad_schemas_fail_at_registration(gen):
     assert agent.registry.names == ["lookup"]
 
 
-def test_turn_grammar_and_parse_roundtrip():
+def _grammar_takes(tokenizer, grammar, text: str) -> bool:
+    """The grammar's matcher consumes every token of ``text`` and then accepts (the turn may end there)."""
+    from constraints import ConstraintState, llg_tokenizer
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    state = ConstraintState(llg_tokenizer(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_id), grammar)
+    if state.valid_prefix_len(ids) != len(ids):
+        return False
+    state.consume_many(ids)
+    return state.is_accepting()
+
+
+def test_turn_grammar_and_parse_roundtrip(smol_tokenizer):
     tool = Tool.from_function(lookup)
-    text = render_call_text([{"name": "lookup", "arguments": {"code": "x"}}])
-    calls, answer = parse_turn(text)
-    assert calls == [{"name": "lookup", "arguments": {"code": "x"}}] and answer == ""
+    one = [{"name": "lookup", "arguments": {"code": "x"}}]
+    two = one + [{"name": "lookup", "arguments": {"code": "Zürich 2"}}]
+    for calls_in in (one, two):
+        text = render_call_text(calls_in)
+        for choice in ("auto", "required"):  # the grammar the decoder runs takes the text the parser reads
+            assert _grammar_takes(smol_tokenizer, turn_grammar([tool], choice), text), (choice, text)
+        calls, answer = parse_turn(text)
+        assert calls == calls_in and answer == ""
+    assert not _grammar_takes(smol_tokenizer, turn_grammar([tool], "auto", parallel=False),
+                              render_call_text(two))  # one call per turn without parallel
+    assert not _grammar_takes(smol_tokenizer, turn_grammar([tool], "required"),
+                              render_call_text([{"name": "lookup", "arguments": {"code": "x", "y": 1}}]))
+    assert _grammar_takes(smol_tokenizer, turn_grammar([tool], "auto"), "plain answer")
+    assert not _grammar_takes(smol_tokenizer, turn_grammar([tool], "required"), "plain answer")
     assert parse_turn("plain answer") == (None, "plain answer")
-    turn_grammar([tool], "auto")  # compiles
     with pytest.raises(ValueError, match="tool_choice"):
-        from agent.format import filter_tools
+        from agent.tool_choice import filter_tools
         from schemas import ToolRegistry
         filter_tools(ToolRegistry([tool]), "sometimes")

@@ -5,7 +5,7 @@ import pytest
 
 from agent import Agent
 from agent.__main__ import main, tool_choice_arg
-from agent.format import render_call_text, turn_grammar
+from agent.formats.generic import render_call_text, turn_grammar
 from decoding import Generator
 from schemas import Tool, ToolRegistry
 
@@ -131,3 +131,73 @@ def test_cli_user_errors_are_one_line(capsys):
     assert "NOPE" in _one_line_error(capsys, ["run", "--tools", "examples.my_tools:NOPE", "hi"])
     assert "no-such-model" in _one_line_error(capsys, ["run", "--model", "no-such-model", "--tools",
                                                        "examples.my_tools:TOOLS", "hi"])
+
+
+# -- integer bounds past 2^53: the grammar compares bounds as 64-bit floats ------------------------------------------
+BIG = 2 ** 53 + 1  # 9007199254740993: no float64 holds it (it rounds to 2^53 = 9007199254740992)
+
+
+@pytest.mark.parametrize("keyword, bad", [("minimum", 2 ** 53), ("exclusiveMinimum", 2 ** 53 + 1),
+                                          ("maximum", 2 ** 53 + 2), ("exclusiveMaximum", 2 ** 53 + 1)])
+def test_integer_bound_past_2_53_never_admits_a_value_beyond_it(smol_tokenizer, keyword, bad):
+    """``minimum: 2^53 + 1`` used to let ``2^53`` through the grammar (llguidance rounded the bound to a float).
+    A strict tool is refused naming the keyword; a lenient one's grammar never admits a value beyond the bound."""
+    from constraints import json_schema_grammar, llg_tokenizer
+    from schemas import SchemaError
+
+    llt = llg_tokenizer(smol_tokenizer, 49152)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", keyword: BIG}}, "required": ["n"],
+              "additionalProperties": False}
+    with pytest.raises(SchemaError, match=f"/properties/n/{keyword}.*2\\^53") as err:
+        Tool.from_schema("f", schema)
+    assert err.value.keyword == keyword and err.value.pointer == f"/properties/n/{keyword}"
+    lenient = Tool.from_schema("f", schema, strict=False)
+    assert not accepts(llt, smol_tokenizer, json_schema_grammar(schema, lenient=True), f'{{"n":{bad}}}')
+    assert not accepts(llt, smol_tokenizer, turn_grammar([lenient], "required", parallel=False),
+                       call("f", {"n": bad}))
+    good = 2 ** 53 + 4 if "inimum" in keyword else 2 ** 53 - 2
+    assert accepts(llt, smol_tokenizer, turn_grammar([lenient], "required", parallel=False), call("f", {"n": good}))
+
+
+# -- a call complete exactly when the budget runs out ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hermes_gen(smol_dir, tmp_path_factory):
+    from helpers import registry_generator
+    from test_formats import family
+
+    _, target, draft = family(smol_dir, "hermes")
+    return registry_generator(target, draft, tmp_path_factory.mktemp("mtp"))
+
+
+def _drafters():
+    from helpers import drafter_params
+
+    return drafter_params()
+
+
+@pytest.mark.parametrize("drafter", _drafters())
+def test_a_call_complete_exactly_at_the_budget_is_returned_not_cut(hermes_gen, drafter):
+    """Hermes with parallel calls allowed: after ``</tool_call>`` the grammar accepts but is not stopped (another
+    call may follow). A budget that ends exactly there used to give stop "length" and the call was dropped."""
+    from agent.engine import EngineConfig, LocalEngine
+    from test_formats import WEATHER
+
+    engine = LocalEngine(hermes_gen)
+    assert engine.format.name == "hermes"
+    messages = [{"role": "user", "content": "Weather in Oslo for 3 days?"}]
+    grammar = engine.format.turn_grammar([WEATHER], "required")
+    full = hermes_gen.generate(engine.format.render(messages, [WEATHER]), grammar, max_new_tokens=120,
+                               drafter="none")
+    state = hermes_gen.new_state(grammar)
+    for budget, token in enumerate(full.tokens, start=1):  # the first complete call's length
+        state.consume(token)
+        if state.is_accepting():
+            break
+    assert not state.is_stopped(), "another call may follow: the grammar accepts but has not stopped"
+    turn = engine.turn(messages, [WEATHER], "required", config=EngineConfig(drafter=drafter, max_new_tokens=budget))
+    assert turn.stats.new_tokens == budget and turn.stop_reason != "length" and not turn.truncated
+    assert turn.calls and turn.calls[0]["name"] == "get_weather"
+    WEATHER.validate(turn.calls[0]["arguments"])
+    res = Agent(engine, [WEATHER]).run(messages[0]["content"], tool_choice="required", max_new_tokens=budget,
+                                       drafter=drafter, max_steps=1)
+    assert [c.call.name for c in res.tool_calls][:1] == ["get_weather"]

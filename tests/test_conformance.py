@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from bench.bfcl_dialect import normalize_schema
 from bench.conformance import Matcher, run, schema_order, serialisations
 from constraints import ConstraintState, allowed_tokens, compile_json_schema, json_schema_grammar, llg_tokenizer
 from schemas import SchemaError, ToolRegistry
 from schemas.check import InstanceError, check_valid, instance_validator, validate_instance
-from schemas.bfcl import normalize_schema
 
 from conftest import FIXTURES
 

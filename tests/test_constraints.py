@@ -70,6 +70,35 @@ def test_consume_full_json_and_eos_then_roll_back_two_is_not_stopped_and_eos_for
     assert not bool((m[smol_tokenizer.eos_token_id // 32] >> (smol_tokenizer.eos_token_id % 32)) & 1)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_rollback_after_eos_on_a_complete_grammar_removes_eos_first(llt, smol_tokenizer, n):
+    """llguidance records no token for EOS consumed once the grammar is stopped: rollback(n) must undo EOS and
+    n - 1 body tokens (the state of ``ids[:3 - (n - 1)]``), not n body tokens."""
+    ids = [smol_tokenizer.convert_tokens_to_ids(c) for c in "xyz"]
+    eos = smol_tokenizer.eos_token_id
+    st = ConstraintState(llt, regex_grammar("xyz"))
+    st.consume_many(ids)
+    assert st.is_stopped()
+    st.consume(eos)
+    st.rollback(n)
+    kept = 3 - (n - 1)
+    assert st.num_tokens == kept and st.is_stopped() == (n == 1)
+    assert st.valid_prefix_len(ids[kept:]) == 3 - kept  # exactly the removed body tokens may follow …
+    st.consume_many(ids[kept:])
+    assert st.is_stopped()  # … and complete the grammar again
+    st.consume(eos)
+    assert st.num_tokens == 4
+
+
+def test_rollback_after_eos_on_an_accepting_grammar_removes_eos_first(llt, smol_tokenizer):
+    st = ConstraintState(llt, regex_grammar("x(yz)?"))
+    st.consume(smol_tokenizer.convert_tokens_to_ids("x"))
+    assert st.is_accepting() and not st.is_stopped()
+    st.consume(smol_tokenizer.eos_token_id)
+    st.rollback(1)
+    assert st.num_tokens == 1 and st.is_accepting() and not st.is_stopped()
+
+
 def test_token_with_valid_first_bytes_and_invalid_rest_is_rejected_state_unchanged(llt, smol_tokenizer):
     st = ConstraintState(llt, json_schema_grammar(SCHEMA))
     st.consume_many(encode(smol_tokenizer, '{"city":"Os'))

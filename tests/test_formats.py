@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from agent import Agent
-from agent.formats import ToolFormatError, detect_format, make_format
+from agent.formats import FORMATS, ToolFormatError, detect_format, make_format
 from decoding import ContextLengthError, Generator, LoadedModel
 from schemas import Tool
 
 from conftest import FIXTURES, tiny_llama
+from helpers import drafter_params, registry_generator
 
 TEMPLATES = FIXTURES / "chat_templates"
-DRAFTERS = ("none", "forced", "schema", "lookup", "draft_model")
 
 WEATHER = Tool.from_openai({"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city.",
@@ -39,8 +39,11 @@ def family(smol_dir, name: str):
                        special_tokens=True)
         tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
         tok.chat_template = (TEMPLATES / "llama3_json.jinja").read_text()
-    else:  # generic on a vocabulary where <tool_call> is one added token (the class of Qwen's crash)
+    elif name == "generic":  # generic on a vocabulary where <tool_call> is one added token (Qwen's crash)
         tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    else:
+        raise ValueError(f"no tiny-model family for tool format {name!r} (a row of agent.formats.FORMATS): add its "
+                         f"chat template (tests/fixtures/chat_templates) and marker tokens here")
     target = LoadedModel(tiny_llama(len(tok), 0), tok, f"tiny-{name}", None, torch.device("cpu"), torch.float32)
     draft = LoadedModel(tiny_llama(len(tok), 1, hidden=16, layers=1), tok, f"tiny-{name}-draft", None,
                         torch.device("cpu"), torch.float32)
@@ -60,17 +63,20 @@ def test_format_is_detected_from_the_chat_template_text(fam, smol_tokenizer):
     assert detect_format(smol_tokenizer.chat_template) == "generic"
 
 
-def test_greedy_calls_are_token_identical_across_drafters_and_validate(fam):
+@pytest.mark.parametrize("drafter", drafter_params())
+@pytest.mark.parametrize("fam", list(FORMATS), indirect=True)  # every row of the formats table
+def test_greedy_calls_are_token_identical_across_drafters_and_validate(fam, drafter, tmp_path):
     name, tok, gen = fam
+    gen = registry_generator(gen.loaded, gen.draft_model(), tmp_path)  # every drafter row: a random MTP head too
     fmt = make_format(tok)
+    assert fmt.name == name
     ids = fmt.render([{"role": "user", "content": "Weather in Oslo for 3 days?"}], [WEATHER])
     # after_results: hermes's marked layout only, so its markers must appear
     grammar = fmt.turn_grammar([WEATHER], "required", parallel=False, after_results=True)
-    outs = {d: gen.generate(ids, grammar, max_new_tokens=80, drafter=d) for d in DRAFTERS}
-    ref = outs["none"]
+    ref = gen.generate(ids, grammar, max_new_tokens=80, drafter="none")
     assert not ref.truncated, ref.text
-    for d, out in outs.items():
-        assert out.tokens == ref.tokens, f"{name}: drafter {d} differs from none"
+    out = gen.generate(ids, grammar, max_new_tokens=80, drafter=drafter)
+    assert out.tokens == ref.tokens, f"{name}: drafter {drafter} differs from none"
     calls, _ = fmt.parse(ref.text)
     assert len(calls) == 1 and calls[0]["name"] == "get_weather"
     WEATHER.validate(calls[0]["arguments"])
@@ -163,3 +169,46 @@ def test_prompt_longer_than_the_context_is_refused(smol_tokenizer):
     fmt = make_format(smol_tokenizer)
     with pytest.raises(ContextLengthError, match="at most 16"):
         gen.generate(list(range(10, 30)), fmt.turn_grammar([WEATHER], "required"), max_new_tokens=4)
+
+
+def test_each_format_names_its_gbnf_root_and_a_new_one_must():
+    from agent.formats import FORMATS, ToolFormat
+
+    roots = {name: cls(None).gbnf_root() for name, cls in FORMATS.items()}
+    assert roots == {"generic": '"<tool_call>[" call "]</tool_call>"',
+                     "hermes": '"<tool_call>\\n" call "\\n</tool_call>" | call', "llama3_json": "call"}
+
+    class Bare(ToolFormat):
+        name = "bare"
+
+    with pytest.raises(NotImplementedError, match="gbnf_root"):
+        Bare(None).gbnf_root()
+
+
+def test_a_new_row_in_formats_reaches_the_cli_the_agent_and_the_benchmark(monkeypatch, tiny_target):
+    from agent import formats
+    from agent.__main__ import build_parser
+    from agent.formats.generic import GenericFormat
+    from bench.modes import build_prompts
+
+    class NewFormat(GenericFormat):
+        name = "newfmt"
+
+        def gbnf_root(self) -> str:
+            return '"<new>" call "</new>"'
+
+    monkeypatch.setitem(formats.FORMATS, "newfmt", NewFormat)
+    # the CLI: a choice of --tool-format in every subcommand
+    for argv in (["run", "--tools", "m:T", "hi"], ["bfcl"], ["demo"], ["serve"]):
+        assert build_parser().parse_args([*argv, "--tool-format", "newfmt"]).tool_format == "newfmt"
+    # the agent
+    agent = Agent(Generator(tiny_target), [WEATHER], tool_format="newfmt")
+    assert type(agent.format) is NewFormat
+    # the benchmark: prompts in the new format, llama.cpp's GBNF root from it
+    row = {"id": "simple_python_0", "question": [[{"role": "user", "content": "Weather in Paris?"}]],
+           "function": [{"name": "get_weather", "description": "Weather of a city.",
+                         "parameters": {"type": "dict", "properties": {"city": {"type": "string"}},
+                                        "required": ["city"]}}]}
+    [p] = build_prompts(tiny_target.tokenizer, [("simple_python", row)], tool_format="newfmt")
+    assert type(p.fmt) is NewFormat and p.gbnf_root == '"<new>" call "</new>"'
+    assert p.ids == GenericFormat(tiny_target.tokenizer).render(p.turn.messages, p.turn.tools)

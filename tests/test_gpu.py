@@ -18,7 +18,7 @@ from constraints import (ConstraintState, allocate_bitmask, apply_bitmask, json_
 from decoding import (CausalLM, ChainDrafter, DraftModelDrafter, LoadedModel, PromptLookupDrafter, SchemaDrafter,
                       decode, speculative_decode)
 
-from helpers import PROMPTS, random_schema, speculative_sampling_tv
+from helpers import FIXED, PROMPTS, drafter_params, random_schema, speculative_sampling_tv
 
 DEVICE = torch.device(os.environ.get("SPECAGENT_TEST_DEVICE", "cuda"))
 pytestmark = [pytest.mark.gpu,
@@ -110,10 +110,10 @@ def test_bitmask_applied_on_the_device_equals_the_cpu_result(target):
         assert torch.equal(got.cpu(), apply_bitmask(logits.clone(), bm))
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
-def test_speculative_sampling_matches_constrained_sampling_distribution_on_the_device(char_tokenizer,
-                                                                                       drafter_kind):
-    tv = speculative_sampling_tv(char_tokenizer, drafter_kind, place=on_device)  # every draw on the device
+@pytest.mark.parametrize("drafter", [*drafter_params(), FIXED])
+def test_speculative_sampling_matches_constrained_sampling_distribution_on_the_device(char_tokenizer, drafter,
+                                                                                       tmp_path):
+    tv = speculative_sampling_tv(char_tokenizer, drafter, tmp_path, place=on_device)  # every draw on the device
     assert tv < 0.07, tv
 
 

@@ -1,7 +1,7 @@
 """What the grammar enforces for a registered schema: closed objects, bounded scalars and calendar dates narrow it,
 but never so far that a satisfiable schema admits no value; what registration accepts must decode.
 
-Each test feeds a text through the public turn grammar (``agent.format.turn_grammar``) and checks that the grammar
+Each test feeds a text through the public turn grammar (``agent.formats.generic.turn_grammar``) and checks that the grammar
 accepts it (or rejects it) as a whole.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from agent import Agent
-from agent.format import render_call_text, turn_grammar
+from agent.formats.generic import render_call_text, turn_grammar
 from constraints import ConstraintState, llg_tokenizer
 from decoding import Generator
 from schemas import Tool, ToolCallError, ToolRegistry

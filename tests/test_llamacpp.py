@@ -1,4 +1,4 @@
-"""The llama.cpp engine (decoding/llamacpp.py) on the real SmolLM2-135M GGUF (marked ``model``).
+"""The llama.cpp backend (decoding/llamacpp.py) on the real SmolLM2-135M GGUF (marked ``model``).
 
 llama-cpp-python is installed by ``make setup`` (``make setup-llamacpp``), so these tests run in ``make test``.
 """
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from agent import Agent
-from agent.bfcl import load_questions
-from agent.format import parse_turn, turn_grammar
+from agent.formats.generic import parse_turn, turn_grammar
+from bench.bfcl import load_questions
+from bench.bfcl_dialect import tool_from_bfcl
 from decoding import Generator, LlamaCppModel, ModelNotFoundError, SamplingParams, load_llamacpp
-from schemas.bfcl import tool_from_bfcl
 
 from helpers import assert_identical_with_fewer_forwards, decode_bfcl
 from test_model import BFCL_FIXTURE
@@ -94,13 +94,16 @@ def test_speculative_greedy_is_token_identical_to_one_token_per_forward(gen, que
 
 
 def test_sampled_speculative_output_validates(gen, questions):
+    # a budget every sampled call fits in (strings are capped at 200 characters): each output completes, and is
+    # validated; none may pass by being cut off
     for row in questions[:3]:
-        tools, res = _decode(gen, row, "lookup", sampling=SamplingParams(temperature=0.8, seed=1))
-        if res.truncated:
-            continue
+        tools, res = decode_bfcl(gen, row, "lookup", sampling=SamplingParams(temperature=0.8, seed=1),
+                                 max_new_tokens=4 * MAX_NEW_TOKENS)
+        assert not res.truncated, (row["id"], len(res.tokens), res.text[-200:])
         calls, _ = parse_turn(res.text)
+        assert calls and len(calls) == 1, (row["id"], res.text)
         tool = {t.name: t for t in tools}[calls[0]["name"]]
-        tool.make_call(calls[0]["arguments"])
+        tool.make_call(calls[0]["arguments"])  # raises if invalid
 
 
 def test_agent_runs_tools_on_the_llamacpp_engine(cpp):
@@ -125,11 +128,12 @@ def test_drafters_that_need_torch_weights_are_refused_with_a_clear_error(cpp):
         cpp.new_lm().forward([1], hidden=True)
 
 
-def test_bad_engine_arguments_are_refused():
-    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
-        Generator("smollm2", engine="vllm")
+def test_bad_backend_arguments_are_refused():
+    for kwargs in ({"backend": "vllm"}, {"engine": "vllm"}):  # engine= is the older name of backend=
+        with pytest.raises(ValueError, match="unknown backend 'vllm'; choose one of torch, llamacpp"):
+            Generator("smollm2", **kwargs)
     with pytest.raises(ValueError, match="device='cuda'"):
-        Generator("smollm2", engine="llamacpp", device="cuda")
+        Generator("smollm2", backend="llamacpp", device="cuda")
     with pytest.raises(ModelNotFoundError, match="loads GGUF files"):
         load_llamacpp("Qwen/Qwen2.5-0.5B-Instruct")
 
@@ -187,7 +191,7 @@ def test_bench_runs_the_llamacpp_modes_side_by_side(tmp_path):
 def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
     """A decode keeps the longest prefix of its prompt still in the thread's KV cache (the system prompt shared by
     BFCL questions, a whole repeated prompt) and its tokens equal a decode from an empty cache."""
-    from agent.format import render_prompt
+    from agent.formats.generic import render_prompt
 
     gen = Generator(cpp)
     a, b = questions[0], questions[1]

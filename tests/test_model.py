@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from agent import Agent
-from agent.bfcl import load_questions, score
-from agent.format import parse_turn
+from agent.formats.generic import parse_turn
+from bench.bfcl import load_questions, score
 from decoding import Generator
 
 from conftest import SHARED

@@ -1,4 +1,4 @@
-"""decoding/loader.py: models refused at load with a clear message, HF ids offline, pinned aliases; agent/bfcl.py:
+"""decoding/loader.py: models refused at load with a clear message, HF ids offline, pinned aliases; bench/bfcl.py:
 the dev/test split and the scoring of parallel and irrelevance categories."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.bfcl import CATEGORIES, is_irrelevance, is_parallel, load_questions, score
+from bench.bfcl import CATEGORIES, is_irrelevance, is_parallel, load_questions, score
 from decoding import KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, load_model
 from decoding.loader import check_rollback
 
@@ -77,7 +77,7 @@ def test_categories_cover_the_new_kinds():
 
 
 def test_irrelevance_is_right_when_no_call_is_made_and_cut_turns_are_counted(tmp_path, smol_tokenizer):
-    from agent.bfcl import run_bfcl
+    from bench.bfcl import run_bfcl
     from agent.formats import make_format
     from decoding import DecodeStats
     from schemas import ToolRegistry
@@ -111,7 +111,7 @@ def test_irrelevance_is_right_when_no_call_is_made_and_cut_turns_are_counted(tmp
 
 
 def test_bfcl_enum_of_item_values_on_an_array_moves_to_its_items():
-    from schemas.bfcl import normalize_schema
+    from bench.bfcl_dialect import normalize_schema
 
     node = {"type": "array", "items": {"type": "string"}, "enum": ["trust", "buzz"]}
     assert normalize_schema(node, _root=False) == {"type": "array", "items": {"type": "string",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from agent import Agent
-from agent.bfcl import load_questions, score
+from bench.bfcl import load_questions, score
+from bench.bfcl_dialect import tool_from_bfcl
 from decoding import Generator, ModelNotFoundError, load_model
-from schemas.bfcl import tool_from_bfcl
 
 from conftest import FIXTURES
 

@@ -9,8 +9,8 @@ import pydantic
 import pytest
 
 import constraints  # noqa: F401  (installs the grammar engine check used by strict registration)
+from bench.bfcl_dialect import normalize_schema, tool_from_bfcl
 from schemas import SchemaError, Tool, ToolCallError, ToolError, ToolRegistry, call_schema, close_objects
-from schemas.bfcl import normalize_schema, tool_from_bfcl
 
 
 class Color(enum.Enum):

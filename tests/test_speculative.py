@@ -12,20 +12,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from constraints import ConstraintState, json_schema_grammar, lark_grammar, lark_json, llg_tokenizer
-from decoding import (CausalLM, ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter, decode,
-                      speculative_decode)
+from decoding import CausalLM, Drafter, PromptLookupDrafter, decode, speculative_decode
 
-from helpers import PROMPTS, random_schema, speculative_sampling_tv
+from helpers import FIXED, PROMPTS, drafter_params, random_schema, registry_generator, speculative_sampling_tv
 
 SCHEMAS = [random_schema(random.Random(s)) for s in range(5)]
 FREE_TEXT_THEN_CALL = lark_grammar('start: /[a-z ]{0,12}/ "<tool_call>" '
                                    + lark_json(SCHEMAS[0], separators=(", ", ": ")) + ' "</tool_call>"')
 
 
-def _drafter(kind: str, tiny_draft):
-    return {"forced": lambda: None, "schema": SchemaDrafter, "lookup": lambda: ChainDrafter(
-        [SchemaDrafter(), PromptLookupDrafter()]), "lookup_only": PromptLookupDrafter,
-        "draft_model": lambda: DraftModelDrafter(CausalLM(tiny_draft))}[kind]()
+@pytest.fixture(scope="module")
+def gen(tiny_target, tiny_draft, tmp_path_factory):
+    """Builds every row of decoding.DRAFTERS on the tiny target (a tiny draft model, a random MTP head)."""
+    return registry_generator(tiny_target, tiny_draft, tmp_path_factory.mktemp("mtp"))
 
 
 def _run_pair(target, grammar, prompt, drafter, gamma, max_new=80, **kw):
@@ -37,25 +36,29 @@ def _run_pair(target, grammar, prompt, drafter, gamma, max_new=80, **kw):
     return ref, spec
 
 
-@pytest.mark.parametrize("kind", ["forced", "schema", "lookup", "draft_model"])
-def test_greedy_identity_every_drafter_gamma_1_to_8_random_schemas(tiny_target, tiny_draft, kind):
+@pytest.mark.parametrize("kind", drafter_params())
+def test_greedy_identity_every_drafter_gamma_1_to_8_random_schemas(tiny_target, gen, kind):
+    """Every row of the drafter table, built as the product builds it (``Generator.make_drafter``), gives the
+    reference decode's tokens."""
     tok = tiny_target.tokenizer
+    llt = llg_tokenizer(tok, tiny_target.vocab_size)
     cases = [(json_schema_grammar(s), i) for i, s in enumerate(SCHEMAS)] + [(FREE_TEXT_THEN_CALL, 9)]
     for gamma in range(1, 9):
         grammar, i = cases[gamma % len(cases)]
         prompt = tok.encode(PROMPTS[(i + gamma) % len(PROMPTS)], add_special_tokens=False)
-        ref, spec = _run_pair(tiny_target, grammar, prompt, _drafter(kind, tiny_draft), gamma)
+        ref = decode(CausalLM(tiny_target), prompt, ConstraintState(llt, grammar), max_new_tokens=80, tokenizer=tok)
+        spec = gen.generate(prompt, grammar, drafter=kind, num_draft_tokens=gamma, max_new_tokens=80)
         assert spec.tokens == ref.tokens, (kind, gamma, ref.text, spec.text)
         assert spec.stop_reason == ref.stop_reason
         assert spec.stats.target_forwards <= ref.stats.target_forwards
 
 
-def test_greedy_identity_all_schemas_with_adaptive_gamma(tiny_target, tiny_draft):
+def test_greedy_identity_all_schemas_with_adaptive_gamma(tiny_target, gen):
     tok = tiny_target.tokenizer
     for i, schema in enumerate(SCHEMAS):
         prompt = tok.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)
         ref, spec = _run_pair(tiny_target, json_schema_grammar(schema), prompt,
-                              _drafter("draft_model", tiny_draft), 2, adaptive=True)
+                              gen.make_drafter("draft_model"), 2, adaptive=True)
         assert spec.tokens == ref.tokens
         if ref.stop_reason != "length":
             jsonschema.validate(json.loads(spec.text), schema)
@@ -196,7 +199,7 @@ def test_after_every_step_grammar_state_and_kv_cache_equal_a_rebuild(tiny_target
 
 
 # -- sampling: exact distribution of constrained sampling vs speculative samples -----------------------------------
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "fixed", "none"])
-def test_speculative_sampling_matches_constrained_sampling_distribution(char_tokenizer, drafter_kind):
-    tv = speculative_sampling_tv(char_tokenizer, drafter_kind)
+@pytest.mark.parametrize("drafter", [*drafter_params(), FIXED])
+def test_speculative_sampling_matches_constrained_sampling_distribution(char_tokenizer, drafter, tmp_path):
+    tv = speculative_sampling_tv(char_tokenizer, drafter, tmp_path)
     assert tv < 0.07, tv  # expected ~0.03 at n=1500; a wrong acceptance or residual rule gives > 0.1

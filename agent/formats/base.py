@@ -4,7 +4,8 @@ A format is how one model family was trained to see tools and write calls:
     * ``render``: OpenAI-style messages + tools -> prompt token ids (the chat template, generation prompt added);
     * ``turn_grammar``: the llguidance grammar of one assistant turn (calls in the family's layout, and/or an answer,
       per ``tool_choice``), argument schemas enforced exactly, no free whitespace;
-    * ``parse``: the decoded turn text -> calls ``[{"name", "arguments"}]`` or an answer.
+    * ``parse``: the decoded turn text -> calls ``[{"name", "arguments"}]`` or an answer;
+    * ``gbnf_root``: the call layout as a GBNF root rule (the benchmark's llama.cpp peer decodes with it).
 
 Markers that are single added tokens in the vocabulary (Qwen's ``<tool_call>`` is id 151657) are named in the grammar
 as tokens (llguidance's ``<[id]>``): llguidance matches no text against a special token, so a quoted ``"<tool_call>"``
@@ -19,6 +20,8 @@ from typing import Any
 from constraints import Grammar, lark_grammar, lark_json, schema_compiles
 from schemas import Tool, call_schema, narrow_for_grammar
 from schemas.errors import SpecAgentError
+
+from .chat import plain_text_encoder
 
 # json.dumps' own separators: what chat templates' ``tojson`` writes, so what the models saw in training.
 SEPARATORS = (", ", ": ")
@@ -102,6 +105,11 @@ class ToolFormat:
         """The Lark body of ``calls`` in terms of the ``call`` rule (one call object)."""
         raise NotImplementedError
 
+    def gbnf_root(self) -> str:
+        """The GBNF root rule of one turn of one call in this family's layout, in terms of a ``call`` rule (the call
+        schema's rule): what the benchmark's llama.cpp peer constrains its output with (``bench/modes.py``)."""
+        raise NotImplementedError(f"tool format {self.name!r} defines no gbnf_root")
+
     def call_object_schema(self, schema: dict) -> dict:
         """The call schema ``{"name", "arguments"}`` as this family writes it (default: unchanged)."""
         return schema
@@ -144,9 +152,7 @@ class ToolFormat:
                 contents[key] = m["content"]
                 m = {**m, "content": key}
             masked.append(m)
-        from ..format import _plain_text_encoder  # a private tokenizer copy: thread-safe plain-text encoding
-
-        plain = _plain_text_encoder(tok)
+        plain = plain_text_encoder(tok)  # a private tokenizer copy: thread-safe plain-text encoding
         ids: list[int] = []
         for piece in re.split("(\ue000\\d+\ue001)", tok.apply_chat_template(masked, **kwargs)):
             if piece in contents:

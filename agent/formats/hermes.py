@@ -27,8 +27,8 @@ import re
 
 from schemas import Tool
 
-from ..format import ANSWER_SYSTEM_PROMPT
 from .base import ToolFormat, openai_tools, template_chat
+from .chat import ANSWER_SYSTEM_PROMPT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
@@ -56,6 +56,9 @@ class HermesFormat(ToolFormat):
         if not parallel:
             return f"{block} | call"
         return f'{block} ("\\n" {block})* | call ("\\n" call)*'
+
+    def gbnf_root(self) -> str:
+        return f'"{OPEN}\\n" call "\\n{CLOSE}" | call'
 
     def answer_first_char_excluded(self) -> str:
         return "<{"

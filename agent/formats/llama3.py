@@ -41,6 +41,9 @@ class Llama3JsonFormat(ToolFormat):
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
         return "call"
 
+    def gbnf_root(self) -> str:
+        return "call"
+
     def answer_first_char_excluded(self) -> str:
         return "{"
 

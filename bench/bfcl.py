@@ -1,4 +1,5 @@
-"""BFCL runner and scorer: ``python -m agent bfcl --category simple_python --limit N``.
+"""BFCL runner and scorer: ``python -m agent bfcl --category simple_python --limit N`` (BFCL's function-doc dialect
+is converted in ``bench/bfcl_dialect.py``).
 
 Scoring follows BFCL's AST checker (``bfcl_eval/eval_checker/ast_eval/ast_checker.py``) in simplified form:
     * exactly the expected number of calls, each with the expected function name;
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.formats import GenericFormat, ToolFormat
 from schemas import Tool, ToolCallError, ToolRegistry
-from schemas.bfcl import tool_from_bfcl
 
-from .format import CALL_OPEN, parse_turn, render_prompt, turn_grammar
+from .bfcl_dialect import tool_from_bfcl
 
 CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
               "irrelevance", "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
@@ -180,38 +181,35 @@ class BfclTurn:
         """The tools registered leniently (as the bfcl CLI's Agent registers them)."""
         return ToolRegistry(self.tools, strict=False)
 
-    def prompt_ids(self, tokenizer, fmt=None) -> list[int]:
-        """Prompt token ids as ``Agent.run`` renders them, in the tool format ``fmt`` (None: ``generic``)."""
-        if fmt is not None:
-            return fmt.render(self.messages, self.tools)
-        return render_prompt(tokenizer, self.messages, self.tools)
+    def prompt_ids(self, tokenizer, fmt: ToolFormat | None = None) -> list[int]:
+        """Prompt token ids as ``Agent.run`` renders them, in the tool format ``fmt`` (None: ``generic`` on
+        ``tokenizer``)."""
+        fmt = fmt or GenericFormat(tokenizer)
+        return fmt.render(self.messages, self.tools)
 
-    def grammar(self, tool_choice: str | None = None, *, fmt=None, max_string_length: int | None = MAX_STRING_LENGTH,
-                max_decimals: int | None = MAX_DECIMALS):
-        """The turn grammar ``Agent.run`` builds for this question, in the tool format ``fmt`` (None: ``generic``).
-        """
-        choice = tool_choice or self.tool_choice
-        if fmt is not None:
-            return fmt.turn_grammar(self.tools, choice, parallel=self.parallel, max_string_length=max_string_length,
-                                    max_decimals=max_decimals)
-        return turn_grammar(self.tools, choice, parallel=bool(self.parallel), max_string_length=max_string_length,
-                            max_decimals=max_decimals)
+    def grammar(self, tool_choice: str | None = None, *, fmt: ToolFormat | None = None,
+                max_string_length: int | None = MAX_STRING_LENGTH, max_decimals: int | None = MAX_DECIMALS):
+        """The turn grammar ``Agent.run`` builds for this question, in the tool format ``fmt`` (None: ``generic``,
+        markers as text)."""
+        fmt = fmt or GenericFormat(None)
+        return fmt.turn_grammar(self.tools, tool_choice or self.tool_choice, parallel=self.parallel,
+                                max_string_length=max_string_length, max_decimals=max_decimals)
 
-    def judge(self, text: str, truncated: bool, registry: ToolRegistry, fmt=None) -> tuple[bool, bool]:
-        """``(valid, correct)`` of one decoded turn.
+    def judge(self, text: str, truncated: bool, registry: ToolRegistry,
+              fmt: ToolFormat | None = None) -> tuple[bool, bool]:
+        """``(valid, correct)`` of one decoded turn in the tool format ``fmt`` (None: ``generic``).
 
         valid = not cut by the token budget, parses into at least one call and every call validates against its
         tool; correct = valid and :func:`score` matches the ground truth (any order for parallel categories).
         Irrelevance: a text answer (cut or not) is valid and correct; a call is never correct.
         """
-        parse = fmt.parse if fmt is not None else parse_turn
-        is_call = fmt.is_call(text) if fmt is not None else text.lstrip().startswith(CALL_OPEN)
-        if is_irrelevance(self.category) and not is_call:
+        fmt = fmt or GenericFormat(None)
+        if is_irrelevance(self.category) and not fmt.is_call(text):
             return True, True
         if truncated:
             return False, False
         try:
-            calls, _ = parse(text)
+            calls, _ = fmt.parse(text)
             calls = calls or []
             for c in calls:
                 registry.parse_call(c)

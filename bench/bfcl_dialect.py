@@ -1,4 +1,4 @@
-"""BFCL's function-doc dialect -> JSON Schema, and BFCL's ground-truth matching (AST checker rules).
+"""BFCL's function-doc dialect -> JSON Schema (the scorer is in ``bench/bfcl.py``).
 
 Dialect (see ``../shared/data/bfcl/NONSTANDARD_TYPES.md``): ``dict`` -> object, ``float``/``double`` -> number,
 ``tuple`` -> array, ``any`` or ``""`` -> no type constraint, Java/JS names (``String``, ``Boolean``, ``long``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .tool import Tool
+from schemas import Tool
 
 _TYPE_MAP = {
     "dict": "object", "object": "object", "hashmap": "object", "map": "object", "hashtable": "object",

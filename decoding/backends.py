@@ -1,0 +1,207 @@
+"""Backends: what runs the target model's forward. One declared interface (:class:`TargetModel`, the KV-cached
+forward of one sequence; :class:`LoadedTarget`, the loaded weights and tokenizer) and one table (:data:`BACKENDS`)
+of how to load a model on each backend and what each can give a drafter.
+
+Two backends exist:
+    ``torch``     transformers (``decoding/model.py``): fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA;
+                  hidden states and torch weights for the MTP head and a draft model.
+    ``llamacpp``  llama.cpp's CPU kernels on the GGUF as shipped (``decoding/llamacpp.py``).
+
+A drafter row (:data:`decoding.registry.DRAFTERS`) says what it needs from the backend (:data:`HIDDEN_STATES`,
+:data:`TORCH_WEIGHTS`); a backend row says what it provides, and :meth:`Backend.supports` is the one check
+(``Generator``, the CLI's help and the benchmark's modes all ask it). Adding a backend is one module with a loader
+and a :class:`TargetModel` class, and one row here (docs/architecture.md, "Add a backend").
+
+"Engine" is the agent's word for whatever decodes one assistant turn (``agent.engine``); a backend runs forwards.
+``engine=`` / ``--engine`` are kept as aliases of ``backend=`` / ``--backend``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+from .llamacpp import LlamaCppModel, load_llamacpp
+from .loader import LoadedModel, load_model
+from .model import CausalLM
+
+HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
+TORCH_WEIGHTS = "torch_weights"  # the loaded model is a torch module (a draft model on its device; the MTP head's
+#                                   shared embedding, norm and LM head)
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """The KV-cached forward of one sequence on a backend: what the decoders (``decoding.decoder``,
+    ``decoding.speculative``) and the drafters see of the target.
+
+    Invariant: the KV cache holds keys/values of ``length`` tokens; ``forward`` appends, ``crop`` removes from the
+    end (rollback after rejected draft tokens). One object per decode; it may reuse a cache the backend keeps per
+    thread (``reuse_prefix``).
+
+    Room for what comes next: several sequences in one forward (continuous batching) will add a sequence id to
+    ``forward``/``crop`` (llama.cpp's ``seq_id``); a backend row states how many it runs at once
+    (:attr:`Backend.max_sequences`).
+    """
+
+    device: torch.device
+    vocab_size: int
+
+    @property
+    def length(self) -> int:
+        """Tokens whose keys/values are in the KV cache."""
+        ...
+
+    def forward(self, tokens: list[int], *, num_logits: int | None = None, hidden: bool = False,
+                logit_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` (``k >= 1`` ids) after the cached ones.
+
+        Args:
+            num_logits: logits for the last ``num_logits`` tokens (default all ``k``).
+            logit_rows: instead, the increasing indices (into ``tokens``) of the tokens whose logits are wanted
+                (the LM head runs for those rows only; may be empty).
+            hidden: also return the last-layer hidden states (backends that provide :data:`HIDDEN_STATES`).
+        Returns:
+            ``(logits float32 [rows, V], hidden float [k, d] or None)`` on ``device``.
+        Raises:
+            ValueError: ``hidden=True`` on a backend without hidden states; the context would overflow.
+        """
+        ...
+
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens. Raises ``ValueError`` if more than the cache holds."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        ...
+
+    def reuse_prefix(self, prompt: list[int]) -> int:
+        """Keep the longest prefix of ``prompt[:-1]`` still cached from the previous decode, drop the rest, and
+        return its length in tokens (0 for a backend without prefix caching, after emptying the cache)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for queued device work before a timer is read (``torch.cuda.synchronize`` on CUDA; a no-op where
+        the forward returns only when its logits are ready)."""
+        ...
+
+
+@runtime_checkable
+class LoadedTarget(Protocol):
+    """A loaded model on some backend (weights shared read-only by every decode) and its Hugging Face tokenizer
+    (chat template; token ids equal the backend's). :class:`decoding.loader.LoadedModel` (torch) and
+    :class:`decoding.llamacpp.LlamaCppModel` implement it."""
+
+    tokenizer: Any
+    name: str
+    sha256: str | None
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Logits width V (may exceed the tokenizer's vocabulary)."""
+        ...
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions one sequence may hold (prompt + new tokens), or None when unknown."""
+        ...
+
+    @property
+    def eos_token_id(self) -> int:
+        ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of :data:`BACKENDS`.
+
+    Attributes:
+        name: the row's key (``backend=``, ``--backend``).
+        summary: one line for the CLI's help.
+        model_type: the class of the loaded models this backend produces (how a loaded model finds its row).
+        load: ``load(spec, device=, dtype=, threads=) -> LoadedTarget`` (offline; raises ``ModelNotFoundError``,
+            ``ValueError`` for arguments that do not apply to the backend, and the backend's own errors).
+        new_target: ``new_target(loaded, kv_cache) -> TargetModel``, a fresh forward wrapper for one decode.
+        provides: what drafters may need that this backend gives (:data:`HIDDEN_STATES`, :data:`TORCH_WEIGHTS`).
+        portable: ``portable(loaded) -> (model, load kwargs)`` to rebuild the loaded model in another process (Ray):
+            the model itself where it pickles, else its file and the arguments it was loaded with.
+        describe: ``describe(loaded) -> str``, where it runs, for start-up lines (``"torch on cpu"``).
+        bench_prefix: prefix of the benchmark's mode names for this backend's decoding modes.
+        max_sequences: sequences one forward may carry (1 until continuous batching).
+    """
+
+    name: str
+    summary: str
+    model_type: type
+    load: Callable[..., Any]
+    new_target: Callable[[Any, str | None], TargetModel]
+    provides: frozenset[str] = field(default_factory=frozenset)
+    portable: Callable[[Any], tuple[Any, dict]] = lambda loaded: (loaded, {})
+    describe: Callable[[Any], str] = lambda loaded: str(loaded.device)
+    bench_prefix: str = ""
+    max_sequences: int = 1
+
+    def supports(self, needs: frozenset[str] | set[str]) -> bool:
+        """Whether this backend provides everything in ``needs``."""
+        return set(needs) <= self.provides
+
+
+def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+    return load_model(spec, device=device, dtype=dtype)
+
+
+def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
+                   threads: int | None = None) -> LlamaCppModel:
+    if device != "cpu" or dtype not in ("float32", "fp32"):
+        raise ValueError(f"backend='llamacpp' runs the GGUF as shipped on the CPU: device={device!r}, "
+                         f"dtype={dtype!r} apply to backend='torch' only")
+    return load_llamacpp(spec, n_threads=threads)
+
+
+BACKENDS: dict[str, Backend] = {
+    "torch": Backend(
+        "torch", "transformers: fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA; every drafter",
+        LoadedModel, _load_torch, lambda loaded, kv_cache: CausalLM(loaded, cache=kv_cache),
+        provides=frozenset({HIDDEN_STATES, TORCH_WEIGHTS}),
+        describe=lambda loaded: f"torch on {loaded.device}"),
+    "llamacpp": Backend(
+        "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`)",
+        LlamaCppModel, _load_llamacpp, lambda loaded, kv_cache: loaded.new_lm(),
+        portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads}),
+        describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
+        bench_prefix="llamacpp_engine_"),
+}
+DEFAULT_BACKEND = "torch"
+
+
+def get_backend(name: str) -> Backend:
+    """The row named ``name``. Raises ``ValueError`` naming the choices."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def backend_of(loaded: Any) -> Backend:
+    """The row whose models ``loaded`` is (exactly, else an instance of a subclass of). Raises ``TypeError`` for a
+    model of no backend."""
+    for row in BACKENDS.values():
+        if type(loaded) is row.model_type:
+            return row
+    for row in BACKENDS.values():
+        if isinstance(loaded, row.model_type):
+            return row
+    raise TypeError(f"{type(loaded).__name__} is not a loaded model of any backend ({', '.join(BACKENDS)})")
+
+
+def backend_name(backend: str | None, engine: str | None) -> str:
+    """The backend asked for by ``backend=`` or its alias ``engine=`` (default :data:`DEFAULT_BACKEND`).
+
+    Raises:
+        ValueError: both given and different, or an unknown name.
+    """
+    if backend is not None and engine is not None and backend != engine:
+        raise ValueError(f"backend={backend!r} and engine={engine!r} disagree (engine= is an alias of backend=)")
+    return get_backend(backend or engine or DEFAULT_BACKEND).name
