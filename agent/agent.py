@@ -280,7 +280,9 @@ class Agent:
                     result.final_answer = out.text
                     messages.append({"role": "assistant", "content": out.text})
                     emit(Event("final_answer", text=out.text))
-                break  # a cut tool call or structured output is never returned
+                if not (is_call and out.calls):
+                    break  # a cut tool call or structured output is never returned
+                # a several-call turn cut by the budget: its whole calls are run (then the run ends), the cut never
             if not is_call:
                 messages.append({"role": "assistant", "content": out.text})
                 result.final_answer = out.text
@@ -313,7 +315,7 @@ class Agent:
                 content = {"error": rec.error} if rec.error else rec.result
                 messages.append({"role": "tool", "tool_call_id": rec.call.id, "name": rec.call.name,
                                  "content": _to_json_text(content)})
-            if result.pending_calls:
+            if result.pending_calls or out.truncated:
                 break
             choice = "auto"
         return result

@@ -23,6 +23,7 @@ from .formats import ToolFormat, make_format
 from .tool_choice import filter_tools
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
+DEFAULT_MAX_PARALLEL_CALLS = 8  # calls one several-call turn may return (EngineConfig.max_parallel_calls)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class EngineConfig:
         max_decimals: grammar bound on numbers: decimals, no exponent, ``|x| <= 1e15`` (None: unbounded).
         temperature, top_p, seed: sampling (greedy when ``temperature`` is 0).
         max_new_tokens: output budget of one turn (tokens).
+        max_parallel_calls: the most calls one several-call turn returns (:class:`ParallelCallsEnd`: the turn
+            also ends at the first call that repeats an earlier one).
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -51,17 +54,21 @@ class EngineConfig:
     top_p: float = 1.0
     seed: int | None = None
     max_new_tokens: int = 256
+    max_parallel_calls: int = DEFAULT_MAX_PARALLEL_CALLS
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("max_parallel_calls", self.max_parallel_calls, 1)
         if self.max_string_length is not None:
             _check_int("max_string_length", self.max_string_length, 1)
         if self.max_decimals is not None:
             _check_int("max_decimals", self.max_decimals, 0)
         if self.seed is not None:
             _check_int("seed", self.seed, None)
+            if not -2 ** 63 <= self.seed < 2 ** 64:  # what a torch.Generator takes
+                raise ValueError(f"seed must be an integer in [-2^63, 2^64 - 1] (64 bits), got {self.seed!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0 <= self.temperature <= 2:
             raise ValueError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
@@ -91,7 +98,8 @@ class DecodedTurn:
         calls: ``[{"name", "arguments", "id"?}]`` when the turn is a complete tool-call turn, else None.
             ``arguments`` is a dict, or a JSON string as a server sent it.
         is_call: the turn opened a tool call (also when it was cut: ``calls`` is then None).
-        stop_reason: ``eos`` (the model ended), ``grammar`` (nothing else allowed), ``length`` (budget reached),
+        stop_reason: ``eos`` (the model ended), ``grammar`` (nothing else allowed, or the budget ran out where the
+            grammar accepts a turn of calls: every call is whole), ``length`` (budget reached mid-output),
             ``stop`` (a stop sequence).
         stats: decode statistics (a remote engine fills what the server reports).
         drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
@@ -123,7 +131,8 @@ class Engine(Protocol):
             messages: OpenAI-style messages (assistant ``tool_calls``, ``tool`` results).
             tools: every tool the model may see; ``tool_choice`` selects the callable ones.
             tool_choice: ``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}`` or OpenAI's named form.
-            response_format: JSON Schema of a structured answer, or None for free text.
+            response_format: JSON Schema of a structured answer, or None for free text; a local engine also takes
+                a :class:`schemas.ResponseFormat`, whose ``strict=False`` relaxes the grammar (validated after).
             parallel_tool_calls: allow several calls in the turn (None: the format's default).
             config: drafter, γ, caps, sampling and budget.
             on_text: called with each new piece of text as it is decoded (streaming).
@@ -201,22 +210,97 @@ class LocalEngine:
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
              config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
         """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool."""
-        allowed, mode = filter_tools(tools, tool_choice)
-        grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls,
-                                           response_format=response_format, max_string_length=config.max_string_length,
-                                           max_decimals=config.max_decimals,
-                                           after_results=messages[-1]["role"] == "tool")
-        ids = self.format.render(messages, list(tools))
+        ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
+                                                    parallel_tool_calls, config)
+        parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
+        end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls) if parallel else None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
-                                      adaptive=config.adaptive, on_text=on_text)
+                                      adaptive=config.adaptive, on_text=on_text, stop_when=end_rule)
+        text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text
         # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
         # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
-            self.format.is_call(out.text) or out.text.startswith(tuple(self.call_start_chars)))))
-        calls = self.format.parse(out.text)[0] if is_call and not out.truncated else None
-        return DecodedTurn(out.text, calls, is_call, out.stop_reason, out.stats,
-                           self.generator.resolve_drafter(config.drafter))
+            self.format.is_call(text) or text.startswith(tuple(self.call_start_chars)))))
+        stop = out.stop_reason
+        if stop == "length" and is_call and self._accepts(grammar, out.tokens):
+            stop = "grammar"  # every call is whole (another could have followed): nothing was cut
+        if stop != "length":
+            calls = self.format.parse(text)[0] if is_call else None
+        else:  # cut by the budget: the whole calls before the cut one (several-call turns), never the cut one
+            whole = [c for c, _ in self.format.complete_calls(text)] if is_call and parallel else []
+            calls = whole or None
+        return DecodedTurn(text, calls, is_call, stop, out.stats, self.generator.resolve_drafter(config.drafter))
+
+    def check(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
+              response_format: Any = None, parallel_tool_calls: bool | None = None,
+              config: EngineConfig = EngineConfig()) -> int:
+        """Everything :meth:`turn` would refuse before decoding, without decoding: the prompt's length in tokens.
+
+        Raises:
+            ValueError (incl. ``ToolFormatError``, ``SchemaError``, ``MTPError``): a request this engine cannot
+                serve: a format refusal, a drafter the backend cannot run or whose model or head is not loaded.
+            FileNotFoundError: the MTP drafter has no head for this model.
+        """
+        ids, *_ = self._prepare(messages, tools, tool_choice, response_format, parallel_tool_calls, config)
+        drafter = self.generator.resolve_drafter(config.drafter)
+        self.generator.check_supported(drafter)
+        if drafter == "draft_model":
+            self.generator.draft_model()
+        elif "mtp" in drafter:
+            self.generator.mtp_head()
+        return len(ids)
+
+    @property
+    def context_length(self) -> int | None:
+        """Prompt + new tokens the model takes (None: not known)."""
+        return self.generator.loaded.context_length
+
+    def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config):
+        """``(prompt ids, turn grammar, callable tools, tool_choice mode)``."""
+        allowed, mode = filter_tools(tools, tool_choice)
+        strict = getattr(response_format, "strict", True)
+        schema = getattr(response_format, "schema", response_format)
+        grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
+                                           lenient_answer=not strict, max_string_length=config.max_string_length,
+                                           max_decimals=config.max_decimals,
+                                           after_results=messages[-1]["role"] == "tool")
+        return self.format.render(messages, list(tools)), grammar, allowed, mode
+
+    def _accepts(self, grammar, tokens: list[int]) -> bool:
+        """Whether ``grammar`` accepts ``tokens`` as a whole output (replayed on a fresh state)."""
+        state = self.generator.new_state(grammar)
+        if state.valid_prefix_len(tokens) != len(tokens):
+            return False
+        state.consume_many(tokens)
+        return state.is_accepting()
+
+
+class ParallelCallsEnd:
+    """The end rule of a several-call turn, passed to ``Generator.generate(stop_when=…)``: the turn ends at the
+    first call that repeats an earlier one exactly (the repeat is dropped: no call is returned twice) or once it
+    holds ``max_calls`` calls, whether or not the model chooses to stop. Small models that continue in the marked
+    layout write the right calls and then repeat them until the budget.
+
+    Attributes:
+        text: the turn's text to keep once the rule fired (the calls before the repeat, or the first
+            ``max_calls``, closed as the format needs); None while it has not.
+    """
+
+    def __init__(self, fmt: ToolFormat, max_calls: int):
+        self.fmt, self.max_calls = fmt, max_calls
+        self.text: str | None = None
+
+    def __call__(self, text: str) -> bool:
+        found = self.fmt.complete_calls(text)
+        calls = [c for c, _ in found]
+        keep = next((i for i in range(1, len(calls)) if calls[i] in calls[:i]), None)
+        if keep is None and len(calls) >= self.max_calls:
+            keep = self.max_calls
+        if keep is None:
+            return False
+        self.text = self.fmt.calls_text(text, found[keep - 1][1])
+        return True
 
 
 def build_engine(spec: tuple) -> Engine:

@@ -3,7 +3,10 @@
 A request is checked field by field before anything is decoded; every problem raises :class:`RequestError` naming
 the field (``tools[0].function.parameters``, ``messages[2].tool_calls[0]``, ``response_format.json_schema.schema``)
 so the server answers HTTP 400 with a message a client can act on. Our own knobs are extra fields under their own
-names: ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals``.
+names: ``drafter``, ``num_draft_tokens`` (at most :data:`MAX_NUM_DRAFT_TOKENS`), ``adaptive``,
+``max_string_length``, ``max_decimals``. ``seed`` is a 64-bit integer. A ``tool`` message needs a
+``tool_call_id`` naming a call of the assistant message before it (as OpenAI). ``response_format``'s
+``json_schema.strict: false`` relaxes in the grammar what it cannot enforce; the answer is validated after.
 """
 from __future__ import annotations
 
@@ -23,19 +26,21 @@ STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_c
 EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "max_string_length", "max_decimals")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of at most this many characters
+MAX_NUM_DRAFT_TOKENS = 32  # γ per request: the speculative window's own cap (decoding.speculative max_window)
 
 
 class RequestError(ValueError):
     """A request the server cannot serve as asked: HTTP ``status`` with ``message`` naming ``param``."""
 
-    def __init__(self, param: str | None, message: str, status: int = 400):
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
         self.param = param
         self.status = status
+        self.code = code
         super().__init__(f"{param}: {message}" if param else message)
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -49,6 +54,7 @@ class ChatRequest:
         response: the structured-answer schema, or None.
         config: the server's :class:`EngineConfig` with this request's sampling, budget and knobs.
         stop: stop sequences (text answers only; the answer is cut before the first one).
+        budget_given: the client set ``max_tokens`` / ``max_completion_tokens`` (then it must fit the context).
     """
 
     model: str
@@ -61,6 +67,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    budget_given: bool = False
 
 
 def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ...]) -> ChatRequest:
@@ -90,8 +97,9 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     parallel = body.get("parallel_tool_calls")  # None: the tool format's default
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls", "must be a boolean")
+    budget_given = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
     return ChatRequest(model, _messages(body.get("messages"), registry), registry, tool_choice, parallel, response,
-                       config, stop, stream, bool(options.get("include_usage")))
+                       config, stop, stream, bool(options.get("include_usage")), budget_given)
 
 
 def _tools(tools: Any) -> ToolRegistry:
@@ -143,8 +151,11 @@ def _response_format(spec: Any) -> ResponseFormat | None:
     js = spec.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
         raise RequestError("response_format.json_schema.schema", "a JSON Schema object is required")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError("response_format.json_schema.strict", "must be a boolean")
     try:
-        return ResponseFormat(js["schema"])
+        return ResponseFormat(js["schema"], strict=strict is not False)
     except SchemaError as e:
         raise RequestError("response_format.json_schema.schema" + (f" at {e.pointer}" if e.pointer else ""),
                            str(e)) from None
@@ -163,6 +174,8 @@ def _config(body: dict, base: EngineConfig) -> EngineConfig:
             config = config.override(**{name: value})
         except (ValueError, TypeError) as e:
             raise RequestError(param, str(e).replace(name, param, 1)) from None
+    if config.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+        raise RequestError("num_draft_tokens", f"must be at most {MAX_NUM_DRAFT_TOKENS}, got {config.num_draft_tokens}")
     return config
 
 
@@ -183,6 +196,7 @@ def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list")
     out = []
+    answerable: set = set()  # ids of the calls of the last assistant message, not yet answered
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
@@ -201,7 +215,19 @@ def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
         elif msg["content"] is None:
             raise RequestError(f"messages[{i}].content", "is required")
         if m["role"] == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id")
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise RequestError(f"messages[{i}].tool_call_id", "is required: the id of the call this message "
+                                                                  "answers")
+            if call_id not in answerable:
+                raise RequestError(f"messages[{i}].role", f"messages with role 'tool' must be a response to a "
+                                   f"preceding message with 'tool_calls'; no call {call_id!r} awaits an answer")
+            answerable.discard(call_id)
+            msg["tool_call_id"] = call_id
+        elif m["role"] == "assistant":
+            answerable = {c["id"] for c in msg.get("tool_calls", []) if c.get("id")}
+        else:
+            answerable = set()
         out.append(msg)
     return out
 
@@ -217,16 +243,16 @@ class Choice:
 
 
 def make_choice(req: ChatRequest, turn: DecodedTurn) -> Choice:
-    """The validated answer for ``turn``: a cut call or structured output is never returned (``content`` None).
+    """The validated answer for ``turn``: a cut call or structured output is never returned (``content`` None);
+    a several-call turn cut by the budget returns the whole calls before the cut one, with ``"length"``.
 
     Raises:
         ToolCallError: a decoded call or structured output fails validation (possible only where a schema was
             relaxed: ``"strict": false`` tools); the server answers 500.
     """
-    if turn.is_call:
-        if turn.truncated:
-            return Choice(None, [], "length")
-        return Choice(None, [req.registry.parse_call(c) for c in turn.calls], "tool_calls")
+    if turn.is_call:  # cut by the budget: the whole calls before the cut one (several-call turns), "length"
+        calls = [req.registry.parse_call(c) for c in turn.calls or []]
+        return Choice(None, calls, "length" if turn.truncated else "tool_calls")
     if req.response is not None:
         if turn.truncated:
             return Choice(None, [], "length")

@@ -1,16 +1,22 @@
 """BFCL runner and scorer: ``python -m agent bfcl --category simple_python --limit N`` (BFCL's function-doc dialect
-is converted in ``bench/bfcl_dialect.py``).
+is converted in ``bench/bfcl_dialect.py``; ``--runtime parse-only`` decodes as vLLM's hermes parser would,
+``bench/parse_only.py``).
 
-Scoring follows BFCL's AST checker (``bfcl_eval/eval_checker/ast_eval/ast_checker.py``) in simplified form:
-    * exactly the expected number of calls, each with the expected function name;
-    * every argument the model gives must be a ground-truth parameter, and its value one of the acceptable values;
-    * a ground-truth parameter the model omits must list ``""`` among its values (optional);
-    * strings compare after BFCL's standardisation (lower-case; spaces and ``,./-_*^`` removed);
-    * an int is accepted where a float is expected (BFCL's auto-conversion for Python), lists compare element-wise,
-      dicts recursively with the same rules, tuples as lists.
-    * Java/JavaScript (``code_strings``): ``any`` parameters are source-code strings; a string value and a typed
-      ground-truth value (or the reverse) match when the string equals the typed value's JSON or ``str`` form after
-      the same standardisation (``"true"`` ~ ``true``, ``"50"`` ~ ``50``).
+Correctness comes from BFCL's own AST checker (``bfcl-eval``'s ``ast_checker``, ``bench/bfcl_checker.py``) when it is
+installed (``make setup`` installs it with ``--no-deps``); the summary says which scorer ran (``"checker":
+"official"`` or ``"ours"``). Ours, :func:`score`, is the fallback: a re-implementation of that checker's rules
+(``tests/test_bfcl_checker.py`` holds the two equal on every ground truth and on perturbed answers):
+    * exactly the expected number of calls; in order, or for parallel categories each ground-truth call taking the
+      first unused decoded call that matches it (BFCL's greedy ``no_order`` matching);
+    * the expected function name; every required parameter present; every argument declared and in the ground
+      truth; a ground-truth parameter the model omits must list ``""`` among its values (optional);
+    * the declared type checked (an int accepted for a Python float), or the ground truth's own type (a value written
+      as a variable name); strings compare after BFCL's standardisation (lower-case; spaces and ``,./-_*^``
+      removed), lists element-wise, dicts key by key;
+    * Java/JavaScript: every value must be a string (source code, as BFCL declares every parameter), read by its
+      declared type as BFCL's converters do (``"true"``, ``"42L"`` for a Java long, ``"new int[]{1, 2}"``,
+      JS ``"[1, 2]"``).
+Irrelevance categories are not AST-checked (BFCL's relevance rule): right = no call.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from typing import Any
 from agent.formats import GenericFormat, ToolFormat
 from schemas import Tool, ToolCallError, ToolRegistry
 
+from .bfcl_checker import language_of, official_checker, official_verdict
 from .bfcl_dialect import tool_from_bfcl
 
 CATEGORIES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
@@ -80,70 +87,257 @@ _STD = re.compile(r"[ ,./\-_*^]")
 
 
 def _std(s: str) -> str:
+    """BFCL's ``standardize_string``: spaces and ``,./-_*^`` removed, lower case, ``'`` -> ``"``."""
     return _STD.sub("", s).lower().replace("'", '"')
 
 
-def value_matches(value: Any, expected: Any, code_strings: bool = False) -> bool:
-    """One model value against one acceptable ground-truth value."""
-    if code_strings and isinstance(expected, str) != isinstance(value, str):
-        # Java/JS: a value may come as code ("true", "50", "[1, 2]") where the truth is typed, or the reverse
-        code, typed = (value, expected) if isinstance(value, str) else (expected, value)
-        return _std(code) in (_std(json.dumps(typed)), _std(str(typed)))
-    if isinstance(expected, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(expected, bool) and value == expected
-    if isinstance(expected, float) and isinstance(value, (int, float)):
-        return float(value) == expected
-    if isinstance(expected, int) and isinstance(value, int):
-        return value == expected
-    if isinstance(expected, str):
-        return isinstance(value, str) and _std(value) == _std(expected)
-    if isinstance(expected, (list, tuple)):
-        return (isinstance(value, (list, tuple)) and len(value) == len(expected)
-                and all(value_matches(v, e, code_strings) for v, e in zip(value, expected)))
-    if isinstance(expected, dict):
-        return isinstance(value, dict) and args_match(value, {k: (v if isinstance(v, list) else [v])
-                                                              for k, v in expected.items()}, code_strings)
-    return value == expected
+# Declared BFCL type -> the Python type a value must have, per language (BFCL's PYTHON_TYPE_MAPPING,
+# JAVA_TYPE_CONVERSION, JS_TYPE_CONVERSION); an unknown type name: no type check.
+_PY_TYPES = {"string": str, "integer": int, "float": float, "boolean": bool, "array": list, "tuple": list,
+             "dict": dict, "any": str}
+_JAVA_TYPES = {"byte": int, "short": int, "integer": int, "float": float, "double": float, "long": int,
+               "boolean": bool, "char": str, "Array": list, "ArrayList": list, "HashMap": dict, "String": str,
+               "any": str}
+_JS_TYPES = {"String": str, "integer": int, "float": float, "Bigint": int, "Boolean": bool, "dict": dict,
+             "array": list, "any": str}
+_LANG_TYPES = {"python": _PY_TYPES, "java": _JAVA_TYPES, "javascript": _JS_TYPES}
+_NESTED = {"python": ("array", "tuple"), "java": ("Array", "ArrayList"), "javascript": ("array",)}
 
 
-def args_match(args: dict, truth: dict[str, list], code_strings: bool = False) -> bool:
-    for k in args:
-        if k not in truth:
-            return False
-    for k, acceptable in truth.items():
-        if k not in args:
-            if "" not in acceptable:
-                return False
+def _num(s: str, pattern: str, cast, suffix: str = ""):
+    return cast(s[:-1] if suffix else s) if re.fullmatch(pattern + suffix, s) else s
+
+
+def _code_scalar(s: str, t: str | None, language: str) -> Any:
+    """A Java/JavaScript source-code value as BFCL's type converters read it (left a string when it does not parse:
+    then it can only match as a variable name)."""
+    s = s.strip()
+    if t in ("integer", "byte", "short"):
+        return _num(s, r"-?\d+", int)
+    if t == "long":
+        return _num(s, r"-?\d+", int, "[lL]")
+    if t == "Bigint":
+        return _num(s, r"-?\d+", int, "n")
+    if t == "float":
+        return (_num(s, r"-?\d+(\.\d+)?([eE][+-]?\d+)?", float, "[fF]") if language == "java"
+                else _num(s, r"-?\d+(\.\d+)?", float))
+    if t == "double":
+        return _num(s, r"-?\d+(\.\d+)?([eE][+-]?\d+)?", float)
+    if t in ("boolean", "Boolean"):
+        return s == "true" if s in ("true", "false") else s
+    if t == "String" and language == "javascript" and len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
+        return s[1:-1]
+    if t is None:  # an element of unknown type (BFCL's parse_java_value / parse_js_value)
+        if s in ("true", "false"):
+            return s == "true"
+        if len(s) >= 2 and s[0] == s[-1] and s[0] in ("\"'" if language == "javascript" else "\""):
+            return s[1:-1]
+        if language == "java" and re.fullmatch(r"-?\d+[lL]", s):
+            return int(s[:-1])
+        if language == "java" and re.fullmatch(r"-?\d+(\.\d+)?([eE][+-]?\d+)?[fF]", s):
+            return float(s[:-1])
+        for cast in (int, float):
+            try:
+                return cast(s)
+            except ValueError:
+                pass
+    return s
+
+
+def _code_value(s: str, t: str, items: str | None, language: str) -> Any:
+    """A Java/JavaScript parameter value (always a string in BFCL's prompt) converted by its declared type, as
+    BFCL's ``java_type_converter`` / ``js_type_converter`` do for the forms they know (``new int[]{1, 2}``,
+    ``new ArrayList<>(Arrays.asList(1, 2))``, ``new HashMap<...>() {{ put("k", v); }}``, JS ``[1, 2]``,
+    ``{k: v}``); anything else stays a string."""
+    def element(e: str):  # an ArrayList element
+        e = e.strip()
+        return e[1:-1] if items in ("String", "char") else _code_scalar(e, items, language)
+
+    if language == "java" and t == "Array":
+        m = re.search(r"new\s+\w+\[\]\s*\{(.*?)\}", s)
+        return [(_code_scalar(x.strip(), items, language) if items else _code_scalar(x, None, language))
+                for x in m.group(1).split(",") if x.strip()] if m else s
+    if language == "java" and t == "ArrayList":
+        m = re.search(r"new\s+ArrayList<\w*>\(Arrays\.asList\((.+?)\)\)", s)
+        if m:
+            return [element(x) for x in m.group(1).split(",")]
+        return [] if re.search(r"new\s+ArrayList<\w*>\(\)$", s.strip()) else s
+    if language == "java" and t == "HashMap":
+        m = re.search(r"new\s+HashMap<.*?>\s*\(\)\s*\{\s*\{?\s*(.*?)\s*\}?\s*\}", s, re.DOTALL)
+        if m:
+            return {k: _code_scalar(v.strip(), None, language)
+                    for k, v in re.findall(r"put\(\"(.*?)\",\s*(.*?)\)", m.group(1))}
+        return {} if re.search(r"new\s+HashMap<.*?>\s*\(\)", s) else s
+    if language == "javascript" and t in ("array", "dict"):
+        return _js_collection(s.strip(), t, items)
+    return _code_scalar(s, t, language)
+
+
+def _js_collection(code: str, t: str, items: str | None = None) -> Any:
+    """A JS array / object literal as BFCL's ``parse_js_collection`` reads it (same regular expressions)."""
+    if t == "array":
+        two_d = re.match(r"\[\s*\[.*?\]\s*(,\s*\[.*?\]\s*)*\]|\bnew\s+Array\(\s*\[.*?\]\s*(,\s*\[.*?\]\s*)*\)", code)
+        if two_d:
+            out = []
+            for idx, inner in enumerate(re.findall(r"\[(.*?)\]", two_d.group(0))):
+                inner = inner.strip()
+                if idx == 0 and inner.startswith("["):
+                    inner = inner[1:]
+                out.append([_code_scalar(e.strip(), None, "javascript") for e in inner.split(",")])
+            return out
+        m = re.match(r"\[(.*?)\]|\bnew\s+Array\((.*?)\)", code)
+        if not m:
+            return code
+        body = (m.group(1) if m.group(1) is not None else m.group(2) or "").strip()
+        elements = body.split(",") if body else []
+        if items:
+            return [_code_value(e.strip(), items, None, "javascript") if not e.strip()[:1] in ("'", '"')
+                    else e.strip()[1:-1] if items == "String" else e.strip() for e in elements]
+        return [_code_scalar(e.strip(), None, "javascript") for e in elements]
+    if code == "{}":
+        return {}
+    m = re.match(r"\{(.*?)\}", code)
+    if not m:
+        return code
+    out = {}
+    for key, value in re.findall(r"([^:]+):\s*(.*?)(?:,\s*(?=[^,]+:)|$)", m.group(1)):
+        key, value = key.strip().strip("'\""), value.strip()
+        if value.startswith("[") and value.endswith("]"):
+            out[key] = _js_collection(value, "array")
+        elif value.startswith("{") and value.endswith("}"):
+            out[key] = _js_collection(value, "dict")
+        else:
+            out[key] = _code_scalar(value.strip("'\""), None, "javascript")
+    return out
+
+
+def _first_type(acceptable: list):
+    return next((type(a) for a in acceptable if a != ""), None)
+
+
+def _type_ok(value: Any, acceptable: list, expected: type | None, nested: type | None) -> tuple[bool, bool]:
+    """``(ok, is_variable)`` as BFCL's ``type_checker``: the declared type, or the ground truth's own type (a value
+    written as a variable name), one level of list items checked."""
+    truth_type = _first_type(acceptable)
+    if expected is None:
+        return True, False
+    is_variable = truth_type is not None and truth_type != expected
+    if type(value) is expected:
+        if nested is None:
+            return True, is_variable
+        for item in acceptable:
+            if not isinstance(item, list) or all(_type_ok(v, item, nested, None)[0] for v in value):
+                return True, is_variable
+    if truth_type is not None and type(value) is truth_type:
+        return True, True
+    return False, False
+
+
+def _std_all(xs) -> list:
+    return [_std(x) if isinstance(x, str) else x for x in xs]
+
+
+def _dict_ok(value: dict, acceptable: list) -> bool:
+    for truth in acceptable:
+        if truth == "":
             continue
-        if not any(value_matches(args[k], e, code_strings) for e in acceptable if e != ""):
-            return False
-    return True
+        if all(k in truth and (_std(v) if isinstance(v, str) else v) in _std_all(truth[k]) for k, v in value.items()) \
+                and all(k in value or "" in vs for k, vs in truth.items()):
+            return True
+    return False
 
 
-def call_matches(call: dict, truth: dict, code_strings: bool = False) -> bool:
-    """One decoded call ``{"name", "arguments"}`` against one ground-truth call ``{name: {param: [values]}}``."""
+def _param_ok(value: Any, acceptable: list, spec: dict | None, language: str) -> bool:
+    """One argument against its acceptable ground-truth values, following BFCL's ``simple_function_checker``."""
+    t = spec.get("type") if isinstance(spec, dict) else None
+    items = (spec.get("items") or {}).get("type") if isinstance(spec, dict) and t in _NESTED[language] else None
+    types = _LANG_TYPES[language]
+    if spec is None:  # no function doc (callers without one): the ground truth's own type
+        expected, nested = _first_type(acceptable), None
+        t = next((k for k, v in _PY_TYPES.items() if v is expected and k != "any"), None)
+    else:
+        expected, nested = types.get(t), types.get(items) if items else None
+    if language != "python":
+        if not isinstance(value, str):
+            return False  # BFCL: type_error:java / type_error:js (every parameter is a string in the prompt)
+        if t in types:
+            value = _code_value(value, t, items, language)
+    if t == "tuple" and isinstance(value, tuple):
+        value = list(value)
+    if language == "python" and t == "float" and type(value) is int:
+        value = float(value)
+    ok, is_variable = _type_ok(value, acceptable, expected, nested)
+    if not ok:
+        return False
+    if not is_variable:
+        if expected is dict:
+            return _dict_ok(value, acceptable)
+        if expected is list and nested is dict:
+            return any(isinstance(truth, list) and len(truth) == len(value)
+                       and all(isinstance(v, dict) and _dict_ok(v, [d]) for v, d in zip(value, truth))
+                       for truth in acceptable)
+        if expected is str:
+            return _std(value) in [_std(a) for a in acceptable if isinstance(a, str)]
+        if expected is list:
+            # a "" alternative reads as [] (BFCL iterates it as an empty list): [] matches an optional list
+            return _std_all(value) in [_std_all(a) for a in acceptable if isinstance(a, (list, str))]
+    return value in acceptable
+
+
+def _function_doc(functions: list[dict] | None, name: str) -> dict | None:
+    return next((f for f in functions or [] if f.get("name") == name), None)
+
+
+def call_matches(call: dict, truth: dict, code_strings: bool = False, *, function: dict | None = None,
+                 language: str | None = None) -> bool:
+    """One decoded call ``{"name", "arguments"}`` against one ground-truth call ``{name: {param: [values]}}``.
+
+    ``function``: the BFCL function doc of that name (declared types, required parameters); None checks against
+    the ground truth alone. ``language``: ``python`` / ``java`` / ``javascript`` (None: ``java`` when
+    ``code_strings``, else ``python``).
+    """
     (name, expected), = truth.items()
-    return call.get("name") == name and args_match(call.get("arguments", {}), expected, code_strings)
+    language = language or ("java" if code_strings else "python")
+    args = call.get("arguments")
+    if call.get("name") != name or not isinstance(args, dict):
+        return False
+    props = ((function or {}).get("parameters") or {}).get("properties") or {}
+    if function is not None and any(r not in args for r in function["parameters"].get("required", [])):
+        return False
+    for k, v in args.items():
+        if k not in expected or (function is not None and k not in props):
+            return False
+        if not _param_ok(v, expected[k], props.get(k) if function is not None else None, language):
+            return False
+    return all(k in args or "" in vs for k, vs in expected.items())
 
 
-def score(calls: list[dict], ground_truth: list[dict], code_strings: bool = False, any_order: bool = False) -> bool:
-    """BFCL AST-style match of decoded calls ``[{"name", "arguments"}]`` against ``ground_truth``.
+def score(calls: list[dict], ground_truth: list[dict], code_strings: bool = False, any_order: bool = False, *,
+          functions: list[dict] | None = None, language: str | None = None) -> bool:
+    """Our AST-style match of decoded calls ``[{"name", "arguments"}]`` against ``ground_truth`` (the fallback when
+    BFCL's own checker, ``bench.bfcl_checker``, is not installed; ``tests/test_bfcl_checker.py`` holds them equal).
 
-    ``any_order``: parallel categories, where each ground-truth call must match a different decoded call in any
-    order (BFCL's parallel checker); otherwise calls match in order.
+    ``functions``: the question's BFCL function docs (declared types, required and declared parameters; None: the
+    ground truth alone). ``any_order``: parallel categories, where each ground-truth call, in order, takes the first
+    unused decoded call that matches it (BFCL's ``parallel_function_checker_no_order``, greedy); otherwise calls
+    match in order.
     """
     if len(calls) != len(ground_truth):
         return False
+
+    def match(c, t):
+        return call_matches(c, t, code_strings, function=_function_doc(functions, next(iter(t))) if functions
+                            else None, language=language)
+
     if not any_order:
-        return all(call_matches(c, t, code_strings) for c, t in zip(calls, ground_truth))
-
-    def assign(i: int, used: frozenset) -> bool:  # backtracking matching (a handful of calls)
-        if i == len(ground_truth):
-            return True
-        return any(j not in used and call_matches(calls[j], ground_truth[i], code_strings)
-                   and assign(i + 1, used | {j}) for j in range(len(calls)))
-
-    return assign(0, frozenset())
+        return all(match(c, t) for c, t in zip(calls, ground_truth))
+    used: set[int] = set()
+    for t in ground_truth:
+        j = next((j for j in range(len(calls)) if j not in used and match(calls[j], t)), None)
+        if j is None:
+            return False
+        used.add(j)
+    return True
 
 
 @dataclass
@@ -158,7 +352,8 @@ class BfclTurn:
         tools: its functions as tools (BFCL's dialect converted; lenient: every output is validated).
         messages: the chat messages of the question (all turns flattened).
         ground_truth: BFCL's acceptable calls (None when the row has none).
-        code_strings: Java/JavaScript: ``any`` parameters are source-code strings (see :func:`score`).
+        code_strings: Java/JavaScript: every parameter is a source-code string (see :func:`score`).
+        functions: the BFCL function docs as in the data file (what the checkers read: declared types, required).
     """
 
     id: str
@@ -167,6 +362,21 @@ class BfclTurn:
     messages: list[dict]
     ground_truth: list[dict] | None
     code_strings: bool
+    functions: list[dict] | None = None
+
+    @property
+    def language(self) -> str:
+        return language_of(self.category)
+
+    def check(self, calls: list[dict]) -> bool:
+        """Whether decoded ``calls`` match the ground truth: BFCL's official checker when installed, else
+        :func:`score` (see :func:`checker_name`)."""
+        if self.ground_truth is None:
+            return False
+        if official_checker() is not None and self.functions is not None:
+            return official_verdict(self.functions, calls, self.ground_truth, self.category)[0]
+        return score(calls, self.ground_truth, self.code_strings, any_order=is_parallel(self.category),
+                     functions=self.functions, language=self.language)
 
     @property
     def tool_choice(self) -> str:
@@ -197,11 +407,13 @@ class BfclTurn:
 
     def judge(self, text: str, truncated: bool, registry: ToolRegistry,
               fmt: ToolFormat | None = None) -> tuple[bool, bool]:
-        """``(valid, correct)`` of one decoded turn in the tool format ``fmt`` (None: ``generic``).
+        """``(valid, correct)`` of one decoded turn in the tool format ``fmt`` (None: ``generic``; any object with
+        ``is_call(text)`` and ``parse(text) -> (calls | None, text)``, such as ``bench.parse_only``'s parsers).
 
         valid = not cut by the token budget, parses into at least one call and every call validates against its
-        tool; correct = valid and :func:`score` matches the ground truth (any order for parallel categories).
-        Irrelevance: a text answer (cut or not) is valid and correct; a call is never correct.
+        tool; correct = not cut, parses into at least one call and :meth:`check` passes (BFCL's checker does not
+        validate against the schema: a call may be correct and not valid). Irrelevance: a text answer (cut or not)
+        is valid and correct; a call (even a cut or broken one) is never correct.
         """
         fmt = fmt or GenericFormat(None)
         if is_irrelevance(self.category) and not fmt.is_call(text):
@@ -210,38 +422,50 @@ class BfclTurn:
             return False, False
         try:
             calls, _ = fmt.parse(text)
-            calls = calls or []
+        except (ValueError, KeyError, TypeError, ToolCallError):
+            return False, False
+        calls = calls or []
+        try:
             for c in calls:
                 registry.parse_call(c)
             valid = bool(calls)
-            if is_irrelevance(self.category):
-                return valid, False
-            return valid, valid and self.ground_truth is not None and score(
-                calls, self.ground_truth, self.code_strings, any_order=is_parallel(self.category))
         except (ValueError, KeyError, TypeError, ToolCallError):
-            return False, False
+            valid = False
+        if is_irrelevance(self.category):
+            return valid, False
+        return valid, bool(calls) and all(isinstance(c, dict) and "name" in c for c in calls) and self.check(calls)
+
+
+def checker_name() -> str:
+    """``"official"`` when BFCL's checker (``bfcl-eval``) is installed and scores the turns, else ``"ours"``."""
+    return "official" if official_checker() is not None else "ours"
 
 
 def bfcl_turn(row: dict, category: str) -> BfclTurn:
     """The :class:`BfclTurn` of one BFCL JSON-lines ``row`` of ``category``."""
-    code_strings = category in ("simple_java", "simple_javascript")
-    return BfclTurn(row["id"], category, [tool_from_bfcl(fn, code_strings=code_strings) for fn in row["function"]],
-                    [m for turn in row["question"] for m in turn], row.get("ground_truth"), code_strings)
+    language = language_of(category)
+    return BfclTurn(row["id"], category, [tool_from_bfcl(fn, language=language) for fn in row["function"]],
+                    [m for turn in row["question"] for m in turn], row.get("ground_truth"), language != "python",
+                    row["function"])
 
 
 def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir: str | None = None,
-             drafter: str | None = None, max_new_tokens: int = 256, split: str | None = None, out=print) -> dict:
+             drafter: str | None = None, max_new_tokens: int = 256, split: str | None = None, out=print,
+             runtime: str = "ours") -> dict:
     """Run BFCL questions; print ``ID<TAB>VALID<TAB>CORRECT<TAB>OUTPUT`` per question and return the summary.
 
-    ``agent_factory(tools) -> Agent``. One turn per question: a required call (several in any order for the
-    parallel categories), or ``tool_choice="auto"`` for irrelevance, where right = no call.
+    ``agent_factory(tools) -> Agent`` (or ``bench.parse_only.ParseOnlyAgent``; ``runtime`` labels the rows). One
+    turn per question: a required call (several in any order for the parallel categories), or
+    ``tool_choice="auto"`` for irrelevance, where right = no call.
 
     Returns:
         ``{"category", "split", "n", "valid", "accuracy", "truncated", tokens_per_s, ...}``: ``valid`` = share of
         turns that finished (not cut by the budget) and whose calls all parse and validate (for irrelevance, a
         text answer counts too, cut or not); ``accuracy`` = share matching the ground truth (irrelevance: share
         answered without a call); ``truncated`` = turns cut by the budget (irrelevance: at
-        ``IRRELEVANCE_MAX_NEW_TOKENS``, text answers included).
+        ``IRRELEVANCE_MAX_NEW_TOKENS``, text answers included); ``checker`` = ``"official"`` (BFCL's
+        ``ast_checker``, ``bench/bfcl_checker.py``) or ``"ours"`` (:func:`score`, when bfcl-eval is not installed);
+        ``runtime`` and ``parser`` (how calls were read from the text).
     """
     from constraints import GrammarError
     from schemas.errors import SchemaError
@@ -252,6 +476,7 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
     rows = load_questions(category, data_dir, limit, split)
     n_valid = n_correct = n_truncated = rows_failed = 0
     total_stats = None
+    parser = None
     t0 = time.perf_counter()
     for row in rows:
         turn = bfcl_turn(row, category)
@@ -268,6 +493,7 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         text = res.raw_turns[-1] if res.raw_turns else ""
         n_truncated += res.truncated
         valid, correct = turn.judge(text, res.truncated, agent.registry, agent.format)
+        parser = getattr(agent.format, "name", None)
         n_valid += valid
         n_correct += correct
         total_stats = res.stats if total_stats is None else total_stats + res.stats
@@ -281,18 +507,22 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
                "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
                "acceptance_by_position": [round(a, 3) for a in s.acceptance_by_position[:8]] if s else [],
                "forced_share": round(s.forced / s.new_tokens, 3) if s and s.new_tokens else 0.0,
-               "seconds": round(time.perf_counter() - t0, 1)}
+               "seconds": round(time.perf_counter() - t0, 1), "checker": checker_name(), "runtime": runtime,
+               "parser": parser}
     out(json.dumps(summary))
     return summary
 
 
 def summary_table(summaries: list[dict]) -> str:
-    """A Markdown table of per-category summaries (accuracy, valid, cut by the budget, tokens/s)."""
-    lines = ["| category | split | n | accuracy | valid | cut | tokens/s |", "|---|---|---|---|---|---|---|"]
+    """A Markdown table of per-category summaries (accuracy, valid, cut by the budget, tokens/s), one row per
+    category and runtime (ours vs parse-only side by side when both ran), and the checker that scored them."""
+    lines = ["| category | runtime | split | n | accuracy | valid | cut | tokens/s | checker |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
+        runtime = s.get("runtime", "ours")
         if "error" in s:
-            lines.append(f"| {s['category']} | {s['split']} | – | – | – | – | {s['error']} |")
+            lines.append(f"| {s['category']} | {runtime} | {s['split']} | – | – | – | – | – | {s['error']} |")
             continue
-        lines.append(f"| {s['category']} | {s['split']} | {s['n']} | {s['accuracy']:.3f} | {s['valid']:.3f} | "
-                     f"{s['truncated']} | {s['tokens_per_s']:.1f} |")
+        lines.append(f"| {s['category']} | {runtime} | {s['split']} | {s['n']} | {s['accuracy']:.3f} | "
+                     f"{s['valid']:.3f} | {s['truncated']} | {s['tokens_per_s']:.1f} | {s.get('checker', '')} |")
     return "\n".join(lines)

@@ -4,10 +4,13 @@ Dialect (see ``../shared/data/bfcl/NONSTANDARD_TYPES.md``): ``dict`` -> object, 
 ``tuple`` -> array, ``any`` or ``""`` -> no type constraint, Java/JS names (``String``, ``Boolean``, ``long``,
 ``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a non-standard ``optional`` key dropped, string
 booleans in ``default`` turned into booleans, an ``enum`` of scalars on an array moved to its ``items``.
+Java/JavaScript docs are first rewritten as BFCL's FC harness rewrites them (:func:`language_specific_pre_processing`):
+every parameter a string of source code.
 """
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from schemas import Tool
@@ -76,11 +79,57 @@ def _fix_default(v: Any, t: Any) -> Any:
     return v
 
 
-def tool_from_bfcl(fn: dict, *, code_strings: bool = False) -> Tool:
-    """A call-only :class:`Tool` from one BFCL function doc (``{"name", "description", "parameters"}``)."""
+# BFCL's FC harness (``bfcl_eval/utils.py``: ``_func_doc_language_specific_pre_processing``, then
+# ``model_handler/utils.py``: ``convert_to_tool``) declares every Java/JavaScript parameter as a string, says so in
+# its description, and its checker rejects any other JSON type (``type_error:java`` / ``type_error:js``).
+_LANGUAGE_HINT = {"java": " Note that the provided function is in Java 8 SDK syntax.",
+                  "javascript": " Note that the provided function is in JavaScript syntax."}
+_LANGUAGE_NAME = {"java": "Java", "javascript": "JavaScript"}
+
+
+def language_specific_pre_processing(fn: dict, language: str) -> dict:
+    """BFCL's ``_func_doc_language_specific_pre_processing`` for one Java/JavaScript function doc (a copy; Python
+    docs unchanged): the language hint appended to the description, every top-level parameter declared
+    ``"string"`` with its original type named in its description ("... in string representation."), an
+    ``Array``/``ArrayList``/``array``'s ``items`` and a JS ``dict``'s ``properties`` moved into the description."""
+    fn = copy.deepcopy(fn)
+    if language not in _LANGUAGE_HINT:
+        return fn
+    lang = _LANGUAGE_NAME[language]
+    fn["description"] = fn.get("description", "") + _LANGUAGE_HINT[language]
+    for value in fn["parameters"]["properties"].values():
+        value.setdefault("description", "")
+        if value["type"] == "any":
+            value["description"] += f" This parameter can be of any type of {lang} object in string representation."
+        else:
+            value["description"] += f" This is {lang} {value['type']} type parameter in string representation."
+        if value["type"] in (("ArrayList", "Array") if language == "java" else ("array",)):
+            value["description"] += (f" The list elements are of type {value['items']['type']}; they are not in "
+                                     f"string representation.")
+            del value["items"]
+        if language == "javascript" and value["type"] == "dict" and "properties" in value:
+            value["description"] += (f" The dictionary entries have the following schema; they are not in string "
+                                     f"representation. {json.dumps(value['properties'])}")
+            del value["properties"]
+        value["type"] = "string"
+    return fn
+
+
+def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None = None) -> Tool:
+    """A call-only :class:`Tool` from one BFCL function doc (``{"name", "description", "parameters"}``).
+
+    Args:
+        language: ``"java"`` / ``"javascript"``: the doc as BFCL's FC harness declares it
+            (:func:`language_specific_pre_processing`: every parameter a string of source code, so the grammar writes
+            only strings there); ``"python"`` or None: unchanged.
+        code_strings: the older switch for the same (``language="java"`` when no language is given).
+    """
+    language = language or ("java" if code_strings else None)
+    if language in _LANGUAGE_HINT:
+        fn = language_specific_pre_processing(fn, language)
     params = normalize_schema(fn.get("parameters") or {"type": "object", "properties": {}},
-                              code_strings=code_strings)
+                              code_strings=language in _LANGUAGE_HINT)
     params.setdefault("type", "object")
-    if code_strings:
+    if language in _LANGUAGE_HINT:
         params["type"] = "object"
     return Tool.from_schema(fn["name"], params, description=fn.get("description", ""), strict=False)

@@ -28,8 +28,8 @@ class GrammarLogitsProcessor:
     Args:
         state: a fresh grammar state (``Generator.new_state(grammar)``), advanced by the processor.
         prompt_len: prompt length in tokens; only ``input_ids[0, prompt_len:]`` is the output.
-        eos_token_id: EOS; allowed only when the grammar accepts (the llguidance mask sets it then), the only
-            allowed token when the grammar is stopped.
+        eos_token_ids: the end-of-generation tokens (the state's ``eog_tokens``); allowed only when the grammar
+            accepts (the state's mask sets them then), the only allowed tokens when the grammar is stopped.
 
     Attributes:
         seconds: wall time spent inside the processor (sync + mask + apply), s.
@@ -38,10 +38,10 @@ class GrammarLogitsProcessor:
             candidate); such rows are returned unmasked.
     """
 
-    def __init__(self, state: ConstraintState, prompt_len: int, eos_token_id: int):
+    def __init__(self, state: ConstraintState, prompt_len: int, eos_token_ids: frozenset[int]):
         self.state = state
         self.prompt_len = prompt_len
-        self.eos = eos_token_id
+        self.eos = sorted(eos_token_ids)
         self.tokens: list[int] = []  # output tokens the matcher has consumed
         self.bitmask = allocate_bitmask(1, state.vocab_size)
         self.seconds = 0.0
@@ -59,7 +59,7 @@ class GrammarLogitsProcessor:
             self.state.rollback(len(self.tokens) - k)
             del self.tokens[k:]
         for t in out[k:]:
-            if t == self.eos:
+            if t in self.eos:
                 return False
             try:
                 self.state.consume(t)
@@ -220,17 +220,17 @@ def hf_generate(loaded, prompt: list[int], *, max_new_tokens: int, state: Constr
     from transformers import GenerationConfig, LogitsProcessorList
 
     model = loaded.model
-    eos = loaded.eos_token_id
+    eog = sorted(state.eog_tokens if state is not None else loaded.eog_token_ids)  # every end token ends it
     device = loaded.device
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     processors = LogitsProcessorList()
     proc = None
     mask0 = 0.0
     if state is not None:
-        proc = GrammarLogitsProcessor(state, len(prompt), eos)
+        proc = GrammarLogitsProcessor(state, len(prompt), frozenset(eog))
         processors.append(proc)
         mask0 = state.mask_seconds
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens + 1, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens + 1, do_sample=False, eos_token_id=eog, pad_token_id=eog[0],
                            use_cache=True)
     kwargs = {}
     if assistant_model is not None:
@@ -251,8 +251,9 @@ def hf_generate(loaded, prompt: list[int], *, max_new_tokens: int, state: Constr
         seconds = time.perf_counter() - t0
     seq = out[0].tolist()
     new = seq[len(prompt):]
-    truncated = eos not in new
-    tokens = new[:new.index(eos)] if not truncated else new
+    end = next((i for i, t in enumerate(new) if t in eog), None)
+    truncated = end is None
+    tokens = new[:end] if not truncated else new
     truncated = truncated or len(tokens) > max_new_tokens
     tokens = tokens[:max_new_tokens]
     calls = tracer.calls

@@ -91,6 +91,13 @@ def is_allowed(bitmask_row: torch.Tensor, token: int) -> bool:
     return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
 
 
+def allow_tokens(bitmask_row: torch.Tensor, token_ids: list[int]) -> None:
+    """Set the bits of ``token_ids`` in the ``int32 [W]`` row (in place)."""
+    for token in token_ids:
+        word = int(bitmask_row[token // 32]) | (1 << (token % 32))
+        bitmask_row[token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # as a signed int32
+
+
 def allowed_among(bitmask_row: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """``int64 [m]``: the ids of ``token_ids`` (``int64 [n]``) that the ``int32 [W]`` row allows, in their order
     (:func:`is_allowed` for many ids at once, without unpacking the whole row)."""

@@ -6,13 +6,14 @@ into a :class:`ConstraintError` and never leaves a matcher half-advanced: a reje
 from __future__ import annotations
 
 import time
+from typing import Iterable
 
 import llguidance
 import torch
 
 from schemas.errors import SpecAgentError
 
-from .bitmask import allocate_bitmask
+from .bitmask import allocate_bitmask, allow_tokens, is_allowed as is_allowed_row
 from .grammar import Grammar
 
 
@@ -26,14 +27,18 @@ class ConstraintState:
     Args:
         tokenizer: the llguidance tokenizer (``constraints.tokenizer.llg_tokenizer``).
         grammar: a compiled :class:`Grammar`.
+        eog_tokens: the model's end-of-generation tokens besides the tokenizer's EOS (e.g. Qwen's ``<|endoftext|>``
+            beside ``<|im_end|>``): each is allowed wherever EOS is (the grammar accepts) and counts as EOS.
 
     Attributes:
         num_tokens: tokens consumed so far (after rollbacks), EOS included.
         mask_seconds: total wall time spent computing masks (s).
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: Grammar):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: Grammar, eog_tokens: Iterable[int] = ()):
         self.tokenizer = tokenizer
+        self.eog_tokens = frozenset({tokenizer.eos_token, *eog_tokens})
+        self._extra_eog = sorted(self.eog_tokens - {tokenizer.eos_token})
         self.grammar = grammar
         self.vocab_size = tokenizer.vocab_size
         self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
@@ -48,10 +53,13 @@ class ConstraintState:
 
     # -- masks ---------------------------------------------------------------------------------------------------
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        """Write the next-token mask into ``bitmask[row]`` (``int32 [rows, ceil(V/32)]``, CPU, contiguous)."""
+        """Write the next-token mask into ``bitmask[row]`` (``int32 [rows, ceil(V/32)]``, CPU, contiguous); where EOS
+        is allowed, so is every other end-of-generation token (``eog_tokens``)."""
         t0 = time.perf_counter()
         v = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if self._extra_eog and is_allowed_row(v, self.tokenizer.eos_token):
+            allow_tokens(v, self._extra_eog)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_calls += 1
         self.raise_if_error("computing the mask")
@@ -71,7 +79,10 @@ class ConstraintState:
 
     # -- advancing -----------------------------------------------------------------------------------------------
     def consume(self, token: int) -> None:
-        """Advance by one token. Raises :class:`ConstraintError` (state unchanged) if the grammar forbids it."""
+        """Advance by one token (an end-of-generation token counts as EOS). Raises :class:`ConstraintError` (state
+        unchanged) if the grammar forbids it."""
+        if token in self.eog_tokens:
+            token = self.tokenizer.eos_token
         ok = self.matcher.is_accepting() if token == self.tokenizer.eos_token else \
             self.matcher.validate_tokens([token]) == 1
         if not ok:
@@ -86,7 +97,7 @@ class ConstraintState:
 
     def consume_many(self, tokens: list[int]) -> None:
         """Advance by several tokens, all or nothing (raises :class:`ConstraintError`, state unchanged)."""
-        if tokens and tokens[-1] == self.tokenizer.eos_token:  # EOS goes through consume (its own bookkeeping)
+        if tokens and tokens[-1] in self.eog_tokens:  # EOS goes through consume (its own bookkeeping)
             self.consume_many(tokens[:-1])
             try:
                 self.consume(tokens[-1])
@@ -131,7 +142,6 @@ class ConstraintState:
         self.matcher.reset()
         self.num_tokens = 0
         self._tokens.clear()
-        self._eos_unrecorded = False
         self._eos_unrecorded = False
 
     # -- status --------------------------------------------------------------------------------------------------

@@ -111,6 +111,12 @@ class LoadedTarget(Protocol):
 
     @property
     def eos_token_id(self) -> int:
+        """The tokenizer's EOS (the grammar tokenizer's end token)."""
+        ...
+
+    @property
+    def eog_token_ids(self) -> frozenset[int]:
+        """Every token that ends generation (the EOS included): each ends a turn wherever the grammar accepts."""
         ...
 
 

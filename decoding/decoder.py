@@ -49,7 +49,7 @@ class DecodeSetup:
     ``decoding.speculative``).
 
     Attributes:
-        eos: the EOS token id.
+        eos: the end-of-generation token ids (the grammar tokenizer's EOS and the model's other end tokens).
         stats: the decode's counters, prefill already counted.
         generator: the run's random generator (None when greedy).
         bitmask: ``int32 [rows, ceil(V/32)]`` mask buffer (row i = grammar state after i draft tokens).
@@ -59,7 +59,7 @@ class DecodeSetup:
         t_start: ``time.perf_counter()`` at the start (s); ``mask_start``: the state's mask time then (s).
     """
 
-    eos: int
+    eos: frozenset[int]
     stats: DecodeStats
     generator: torch.Generator | None
     bitmask: torch.Tensor
@@ -81,7 +81,7 @@ def start_decode(target: TargetModel, prompt: list[int], state: ConstraintState,
     Raises:
         ValueError: the prompt is empty.
     """
-    eos = state.eos_token if eos_token_id is None else eos_token_id
+    eos = state.eog_tokens if eos_token_id is None else frozenset({eos_token_id})
     stats = DecodeStats()
     t_start = time.perf_counter()
     mask_start = state.mask_seconds
@@ -125,7 +125,7 @@ def detokenize(tokens: list[int], state: ConstraintState, tokenizer=None) -> str
 
 def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
            sampling: SamplingParams = SamplingParams(), eos_token_id: int | None = None,
-           tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
+           tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
     """Constrained decoding, one token per forward.
 
     Args:
@@ -134,9 +134,11 @@ def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, ma
         state: the sequence's grammar state (advanced in place by the emitted tokens; EOS is not consumed).
         max_new_tokens: output budget; reaching it gives ``stop_reason == "length"``.
         sampling: greedy when ``temperature == 0``.
-        eos_token_id: defaults to the grammar tokenizer's EOS.
+        eos_token_id: the one end token (default: the state's ``eog_tokens``, the tokenizer's EOS and the model's
+            other end-of-generation tokens).
         tokenizer: HF tokenizer for ``text`` (None: llguidance's decoder).
-        on_step: called with the output tokens so far after each emitted token (streaming).
+        on_step: called with the output tokens so far after each emitted token (streaming); a true return value
+            stops the decode there (``stop_reason == "stop"``: a stop condition, nothing cut).
 
     Returns:
         :class:`DecodeResult`; stops at EOS (allowed only when the grammar accepts) or when the grammar is complete.
@@ -153,12 +155,13 @@ def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, ma
         stats.verify_seconds += time.perf_counter() - t0
         state.fill_bitmask(run.bitmask, 0)
         tok, _ = pick(apply_bitmask(logits[-1:].clone(), run.bitmask), sampling, run.generator)
-        if tok == run.eos:
+        if tok in run.eos:
             stop = "eos"
             break
         state.consume(tok)
         tokens.append(tok)
         cur = tok
-        if on_step is not None:
-            on_step(tokens)
+        if on_step is not None and on_step(tokens):
+            stop = "stop"
+            break
     return finish_decode(run, tokens, stop, state, tokenizer, target)

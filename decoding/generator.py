@@ -77,6 +77,7 @@ class Generator:
             self.loaded = model
         self.tokenizer = self.loaded.tokenizer
         self.llg_tokenizer = llg_tokenizer(self.tokenizer, self.loaded.vocab_size, self.loaded.eos_token_id)
+        self.eog_token_ids: frozenset[int] = self.loaded.eog_token_ids
         check_drafter(drafter)
         if drafter != AUTO:
             self.check_supported(drafter)
@@ -111,8 +112,9 @@ class Generator:
                              f"{self.backend.name!r} does not provide; use one of {', '.join(usable)}")
 
     def new_state(self, grammar: Grammar) -> ConstraintState:
-        """A fresh grammar state for one sequence."""
-        return ConstraintState(self.llg_tokenizer, grammar)
+        """A fresh grammar state for one sequence; every end-of-generation token of the model
+        (``loaded.eog_token_ids``) is allowed wherever the grammar accepts, and ends the decode."""
+        return ConstraintState(self.llg_tokenizer, grammar, self.eog_token_ids)
 
     def draft_model(self) -> LoadedModel:
         """The draft model for ``drafter="draft_model"`` (loaded once, on the target's device and dtype).
@@ -179,13 +181,17 @@ class Generator:
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
                  num_draft_tokens: int | None = None, adaptive: bool | None = None,
-                 on_text: Callable[[str], None] | None = None) -> DecodeResult:
+                 on_text: Callable[[str], None] | None = None,
+                 stop_when: Callable[[str], bool] | None = None) -> DecodeResult:
         """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place).
 
         Args:
             max_new_tokens: output budget (tokens, >= 1); an output the grammar completes on its last allowed
                 token stops with ``"grammar"``, not ``"length"``.
             on_text: called with each new piece of decoded text as tokens are committed (streaming).
+            stop_when: called with the whole text so far after each committed step; True ends the decode there
+                (``stop_reason == "stop"``; a speculative step may have committed a few tokens past the point the
+                caller looks for, so the caller trims the text it keeps).
         Raises:
             ContextLengthError: ``prompt`` leaves no room in the model's context; ``max_new_tokens`` is otherwise
                 cut to what fits.
@@ -204,7 +210,7 @@ class Generator:
         check_drafter(mode)
         self.check_supported(mode)
         target = self.new_target()
-        on_step = None if on_text is None else _TextDeltas(self.tokenizer, on_text)
+        on_step = None if on_text is None and stop_when is None else _TextDeltas(self.tokenizer, on_text, stop_when)
         if mode == "none":
             result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
                             tokenizer=self.tokenizer, on_step=on_step)
@@ -220,22 +226,25 @@ class Generator:
 
 
 class _TextDeltas:
-    """Turns "tokens so far" callbacks into new-text callbacks (holds back an incomplete UTF-8 character)."""
+    """Turns "tokens so far" callbacks into new-text callbacks (holds back an incomplete UTF-8 character) and asks
+    ``stop_when`` about the text so far (the decoders stop when the callback returns True)."""
 
-    def __init__(self, tokenizer, emit: Callable[[str], None]):
+    def __init__(self, tokenizer, emit: Callable[[str], None] | None, stop_when: Callable[[str], bool] | None = None):
         self.tokenizer = tokenizer
         self.emit = emit
+        self.stop_when = stop_when
         self.sent = ""
 
-    def __call__(self, tokens: list[int]) -> None:
+    def __call__(self, tokens: list[int]) -> bool:
         text = self.tokenizer.decode(tokens, skip_special_tokens=False)
         if text.endswith("\ufffd"):
-            return
-        if text.startswith(self.sent) and len(text) > len(self.sent):
+            return False
+        if self.emit is not None and text.startswith(self.sent) and len(text) > len(self.sent):
             self.emit(text[len(self.sent):])
             self.sent = text
+        return self.stop_when is not None and bool(self.stop_when(text))
 
     def finish(self, text: str) -> None:
-        if text.startswith(self.sent) and len(text) > len(self.sent):
+        if self.emit is not None and text.startswith(self.sent) and len(text) > len(self.sent):
             self.emit(text[len(self.sent):])
             self.sent = text

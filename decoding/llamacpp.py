@@ -46,8 +46,8 @@ import torch
 
 from schemas.errors import SpecAgentError
 
-from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, locate_gguf,
-                     sha256_file)
+from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, end_of_generation_ids,
+                     locate_gguf, sha256_file)
 
 INSTALL = ('make setup-llamacpp (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36; '
            "builds from source, ~10 min on 2 cores)")
@@ -129,6 +129,7 @@ class LlamaCppModel:
     dtype: str = "gguf"
     _model: Any = None
     _vocab: Any = None
+    _eog: frozenset | None = None
     _local: threading.local = field(default_factory=threading.local)
 
     @property
@@ -144,6 +145,17 @@ class LlamaCppModel:
     @property
     def eos_token_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
+
+    @property
+    def eog_token_ids(self) -> frozenset[int]:
+        """Every token that ends generation: llama.cpp's end-of-generation list for this GGUF
+        (``llama_vocab_is_eog``) filtered by :func:`decoding.loader.end_of_generation_ids` (special tokens only)."""
+        if self._eog is None:
+            lib = _llama_cpp()
+            special = [int(t) for t in self.tokenizer.all_special_ids]
+            declared = [t for t in special if t < self.vocab_size and lib.llama_vocab_is_eog(self._vocab, t)]
+            self._eog = end_of_generation_ids(self.tokenizer, declared)
+        return self._eog
 
     def new_lm(self) -> "LlamaCppLM":
         """A KV-cached forward wrapper on this thread's llama.cpp context (created on first use)."""

@@ -108,6 +108,35 @@ class LoadedModel:
     def eos_token_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def eog_token_ids(self) -> frozenset[int]:
+        """Every token that ends generation (:func:`end_of_generation_ids`; declared: the generation config's
+        ``eos_token_id``, one id or a list)."""
+        declared = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+        return end_of_generation_ids(self.tokenizer, declared)
+
+
+# Special tokens that end generation wherever a tokenizer has them (beside its EOS): the end-of-text and end-of-turn
+# markers of the families the formats know (Qwen's <|endoftext|> after <|im_end|>, Llama 3's <|eot_id|>/<|eom_id|>).
+END_MARKERS = ("<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
+               "<|end|>", "</s>")
+
+
+def end_of_generation_ids(tokenizer, declared=()) -> frozenset[int]:
+    """The model's end-of-generation tokens: the tokenizer's EOS; the ids the model declares (its generation config,
+    or llama.cpp's end-of-generation list for a GGUF) that are special tokens of the tokenizer; and the tokenizer's
+    special tokens among :data:`END_MARKERS`. Ids of plain text pieces (llama.cpp also lists Qwen's ``</s>``, an
+    ordinary token there, and FIM markers) are left out: text must never end a turn.
+
+    Qwen2.5-Coder writes ``<|endoftext|>`` after a call (p = 0.89–0.9998) where its tokenizer's EOS is
+    ``<|im_end|>``: both end the turn wherever the grammar accepts."""
+    special = {int(t) for t in tokenizer.all_special_ids}
+    ids = {int(tokenizer.eos_token_id)} | {int(t) for t in declared if int(t) in special}
+    names = set(tokenizer.all_special_tokens)
+    ids |= {int(tokenizer.convert_tokens_to_ids(m)) for m in END_MARKERS if m in names}
+    return frozenset(ids)
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("SPECAGENT_CACHE", Path.home() / ".cache" / "specagent"))

@@ -58,7 +58,7 @@ class Draft:
 
 def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int], bitmask: torch.Tensor,
                  num_draft_tokens: int, max_tokens: int, sampling: SamplingParams,
-                 generator: torch.Generator | None, eos: int) -> Draft:
+                 generator: torch.Generator | None, eos: frozenset[int]) -> Draft:
     """Draft up to ``num_draft_tokens`` drafter tokens plus any schema-forced tokens (at most ``max_tokens``).
 
     Fills ``bitmask[i]`` (``int32 [rows, W]``) before each token and advances ``state`` by each drafted token
@@ -92,7 +92,7 @@ def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int]
         tokens.append(tok)
         qs.append(q)
         forced.append(is_forced)
-        if tok == eos:
+        if tok in eos:
             return Draft(tokens, qs, forced, rows, ends_with_eos=True)
         state.consume(tok)
     return Draft(tokens, qs, forced, rows)
@@ -248,7 +248,7 @@ def _fit(q: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def commit(state: ConstraintState, target: TargetModel, draft: Draft, num_accepted: int, bonus: int | None,
-           base: int, eos: int) -> tuple[list[int], str | None]:
+           base: int, eos: frozenset[int]) -> tuple[list[int], str | None]:
     """Keep the accepted drafts and the bonus token; roll the rest back.
 
     The grammar state rolls back the rejected drafts and consumes the bonus; the KV cache is cropped to
@@ -259,13 +259,13 @@ def commit(state: ConstraintState, target: TargetModel, draft: Draft, num_accept
         bonus (EOS itself is not output), ``"grammar"`` when all drafts were accepted and nothing may follow.
     """
     accepted = draft.tokens[:num_accepted]
-    if accepted and accepted[-1] == eos:  # EOS inside the window: accept through it and finish
+    if accepted and accepted[-1] in eos:  # EOS inside the window: accept through it and finish
         state.rollback(draft.num_consumed - (num_accepted - 1))
         return accepted[:-1], "eos"
     state.rollback(draft.num_consumed - num_accepted)
     if bonus is None:  # all accepted and the grammar is complete: nothing may follow
         return accepted, "grammar"
-    if bonus == eos:
+    if bonus in eos:
         return accepted, "eos"
     state.consume(bonus)
     target.crop(base + 1 + num_accepted)
@@ -276,13 +276,14 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
                        num_draft_tokens: int = 4, max_new_tokens: int = 256,
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
                        max_num_draft_tokens: int = 8, max_window: int = 32, eos_token_id: int | None = None,
-                       tokenizer=None, on_step: Callable[[list[int]], None] | None = None) -> DecodeResult:
+                       tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
     """Constrained speculative decoding (module docstring): draft, verify, accept, commit until EOS, a complete
     grammar or ``max_new_tokens``. ``drafter`` proposes non-forced tokens (None: schema-forced tokens only);
     γ = ``num_draft_tokens`` drafter tokens per window (forced ones do not count; ``max_window`` caps both),
     adapted online with ``adaptive`` (:meth:`Drafter.adapt_num_draft_tokens`, within ``max_num_draft_tokens``);
     greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step, when the grammar
-    state and KV cache equal those rebuilt from scratch. Returns a :class:`DecodeResult`."""
+    state and KV cache equal those rebuilt from scratch; a true return value stops there (``"stop"``). Returns a
+    :class:`DecodeResult`."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     drafter = drafter or NoDrafter()
@@ -304,7 +305,8 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
             gamma = drafter.adapt_num_draft_tokens(gamma, num_drafted, num_model_accepted, max_num_draft_tokens)
         new_tokens, stop = commit(state, target, draft, num_accepted, bonus, base, run.eos)
         tokens.extend(new_tokens)
-        report_step(on_step, tokens, new_tokens, target, len(prompt), final=stop is not None)
+        if report_step(on_step, tokens, new_tokens, target, len(prompt), final=stop is not None) and stop is None:
+            stop = "stop"
         if stop is not None:
             break
         seq.extend(new_tokens)
@@ -313,13 +315,14 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
     return finish_decode(run, tokens, stop or "length", state, tokenizer, target)
 
 
-def report_step(on_step: Callable[[list[int]], None] | None, tokens: list[int], new_tokens: list[int],
-                target: TargetModel, prompt_length: int, *, final: bool) -> None:
-    """Call ``on_step(tokens)`` after a step that committed ``new_tokens`` (none: nothing to report). After the
-    final window (``final=True``: it ended with EOS or a complete grammar, and :func:`commit` left the KV cache
-    as verified) the cache is first cropped, as after every step, to all but the last token."""
+def report_step(on_step: Callable[[list[int]], bool | None] | None, tokens: list[int], new_tokens: list[int],
+                target: TargetModel, prompt_length: int, *, final: bool) -> bool:
+    """Call ``on_step(tokens)`` after a step that committed ``new_tokens`` (none: nothing to report) and return
+    whether it asks to stop. After the final window (``final=True``: it ended with EOS or a complete grammar, and
+    :func:`commit` left the KV cache as verified) the cache is first cropped, as after every step, to all but the
+    last token."""
     if on_step is None or not new_tokens:
-        return
+        return False
     if final:
         target.crop(min(target.length, prompt_length + len(tokens) - 1))
-    on_step(tokens)
+    return bool(on_step(tokens))

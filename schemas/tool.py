@@ -188,6 +188,8 @@ class ResponseFormat:
 
     Attributes:
         schema: the JSON Schema the grammar enforces.
+        strict: True: the grammar enforces it exactly; False: keywords it cannot enforce are relaxed in the
+            grammar, and :meth:`validate` checks every answer.
     Raises (constructor):
         SchemaError: invalid or (strict) unenforceable schema, naming keyword and pointer.
     """
@@ -201,6 +203,7 @@ class ResponseFormat:
         else:
             raise ToolError(f"response_format must be a pydantic model class or a JSON Schema, got "
                             f"{type(spec).__name__}")
+        self.strict = strict
         check_valid(self.schema, tool="response_format")
         if strict:
             check_enforceable(self.schema, tool="response_format")

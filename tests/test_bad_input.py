@@ -200,4 +200,4 @@ def test_a_call_complete_exactly_at_the_budget_is_returned_not_cut(hermes_gen, d
     WEATHER.validate(turn.calls[0]["arguments"])
     res = Agent(engine, [WEATHER]).run(messages[0]["content"], tool_choice="required", max_new_tokens=budget,
                                        drafter=drafter, max_steps=1)
-    assert [c.call.name for c in res.tool_calls][:1] == ["get_weather"]
+    assert not res.truncated and [c.name for c in res.pending_calls][:1] == ["get_weather"]

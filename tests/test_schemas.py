@@ -169,15 +169,20 @@ def test_bfcl_dialect_normalised_to_json_schema():
     jsonschema.Draft202012Validator.check_schema(s)
 
 
-def test_bfcl_java_any_becomes_a_code_string_and_java_types_map():
+def test_bfcl_java_parameters_are_all_declared_as_code_strings_as_bfcl_declares_them():
     fn = {"name": "Foo.bar", "description": "d", "parameters": {"type": "dict", "properties": {
-        "n": {"type": "long"}, "m": {"type": "HashMap"}, "c": {"type": "any"}, "b": {"type": "Boolean"}},
-        "required": ["n"]}}
-    t = tool_from_bfcl(fn, code_strings=True)
+        "n": {"type": "long", "description": "n."}, "m": {"type": "HashMap", "description": "m."},
+        "c": {"type": "any", "description": "c."}, "b": {"type": "Boolean", "description": "b."},
+        "a": {"type": "ArrayList", "description": "a.", "items": {"type": "String"}}}, "required": ["n"]}}
+    t = tool_from_bfcl(fn, language="java")
     props = t.parameters["properties"]
-    assert props["n"] == {"type": "integer"} and props["m"] == {"type": "object"} and props["b"] == {"type": "boolean"}
-    assert props["c"] == {"type": "string"}
-    t.make_call({"n": 42, "c": "new Path('/x')"})
+    assert {p["type"] for p in props.values()} == {"string"} and "items" not in props["a"]
+    assert props["n"]["description"] == "n. This is Java long type parameter in string representation."
+    assert t.description == "d Note that the provided function is in Java 8 SDK syntax."
+    assert tool_from_bfcl(fn, code_strings=True).parameters == t.parameters
+    t.make_call({"n": "42L", "c": "new Path('/x')"})
+    with pytest.raises(ToolCallError):
+        t.make_call({"n": 42})
 
 
 def test_every_project_error_derives_from_spec_agent_error_and_its_builtin():

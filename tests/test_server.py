@@ -168,7 +168,10 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
     base = client.chat.completions.create(**kwargs)
     ref = client.chat.completions.create(**kwargs, extra_body={"drafter": "none", "num_draft_tokens": 0})
     assert ref.usage.model_extra["speculative"]["drafter"] == "none"
-    assert ref.usage.model_extra["speculative"]["tokens_per_forward"] == 1.0
+    # one token per forward, plus one forward whose token is the end-of-generation token (not output) where the
+    # model ends the turn itself rather than the grammar
+    spec = ref.usage.model_extra["speculative"]
+    assert spec["target_forwards"] - ref.usage.completion_tokens in (0, 1)
     assert [c.function.arguments for c in ref.choices[0].message.tool_calls] == \
         [c.function.arguments for c in base.choices[0].message.tool_calls] and base.choices[0].message.tool_calls
 

@@ -38,10 +38,13 @@ class ToolFormat:
     Attributes:
         name: the format's name (``Agent(tool_format=name)``).
         parallel: the family has a trained layout for several calls in one turn.
+        end_whitespace: Lark for what may follow the last call before the model's end-of-generation token (one
+            optional newline: Qwen2.5-Coder writes ``\n`` after ``</tool_call>``).
     """
 
     name = "base"
     parallel = True
+    end_whitespace = '"\\n"?'  # Lark: what may follow the last call before the turn ends (one optional newline)
 
     def __init__(self, tokenizer, chat_template: str | None = None):
         self.tokenizer = tokenizer  # None: grammar only, markers as text
@@ -58,7 +61,8 @@ class ToolFormat:
 
     def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,
                      response_format: dict | None = None, max_string_length: int | None = None,
-                     max_decimals: int | None = None, after_results: bool = False) -> Grammar:
+                     max_decimals: int | None = None, after_results: bool = False,
+                     lenient_answer: bool = False) -> Grammar:
         """The grammar of one assistant turn.
 
         Args:
@@ -68,6 +72,8 @@ class ToolFormat:
             response_format: JSON Schema of the final answer (replaces free text).
             max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``).
             after_results: the turn follows tool results (a format may narrow the call layouts it accepts).
+            lenient_answer: ``response_format`` is not strict (``"strict": false``): keywords the grammar cannot
+                enforce are relaxed, and the caller validates the answer.
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
@@ -78,13 +84,15 @@ class ToolFormat:
                                                          max_decimals=max_decimals, compiles=schema_compiles))
             lenient = any(not t.strict for t in tools)
             rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
-            rules.append(f"calls: {self.calls_rule(parallel, after_results)}")
+            # the model's own end: any whitespace it writes before its end-of-generation token (Qwen2.5-Coder
+            # writes "\n" after </tool_call>, p ≈ 0.99, then <|endoftext|>); the parsers strip it
+            rules.append(f"calls: ({self.calls_rule(parallel, after_results)}) {self.end_whitespace}")
             start.append("calls")
         if tool_choice != "required" or not tools:
             if response_format is not None:
                 # closed like tool arguments (the model cannot add undeclared keys); validated against the original
-                answer = narrow_for_grammar(response_format, compiles=schema_compiles)
-                rules.append(f"answer: {lark_json(answer, separators=SEPARATORS)}")
+                answer = narrow_for_grammar(response_format, lenient=lenient_answer, compiles=schema_compiles)
+                rules.append(f"answer: {lark_json(answer, separators=SEPARATORS, lenient=lenient_answer)}")
             else:
                 first = self.answer_first_char_excluded() if start else ""
                 rules.append(f"answer: TEXT\nTEXT: /[^{re.escape(first)}\\s](.|\\n)*/")
@@ -99,6 +107,22 @@ class ToolFormat:
     def is_call(self, text: str) -> bool:
         """The turn text starts a tool call (rather than an answer)."""
         raise NotImplementedError
+
+    def complete_calls(self, text: str) -> list[tuple[dict, int]]:
+        """The calls of a call turn's text, possibly cut mid-call, that are complete: ``[(call, end)]`` in order,
+        ``call`` = ``{"name", "arguments"}`` and ``end`` the offset in ``text`` just past its text. Used to end a
+        parallel turn early and to return the whole calls of a turn the budget cut. Default: the one call of a
+        complete turn (formats without a layout for several calls)."""
+        try:
+            calls, _ = self.parse(text)
+        except ValueError:
+            return []
+        return [(calls[0], len(text.rstrip()))] if calls else []
+
+    def calls_text(self, text: str, end: int) -> str:
+        """A complete turn holding the calls of ``text`` up to offset ``end`` (a :meth:`complete_calls` end),
+        closed where the layout needs it. Default: ``text[:end]``."""
+        return text[:end]
 
     # -- what the subclasses fill in ------------------------------------------------------------------------------
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:

@@ -77,6 +77,26 @@ class GenericFormat(ToolFormat):
             return calls, ""
         return None, text
 
+    def complete_calls(self, text: str) -> list[tuple[dict, int]]:
+        s = text.lstrip()
+        if not s.startswith(CALL_OPEN + "["):
+            return []
+        decoder, out = json.JSONDecoder(), []
+        i = len(text) - len(s) + len(CALL_OPEN) + 1
+        while i < len(text):
+            try:
+                obj, end = decoder.raw_decode(text, i)
+                out.append(({"name": obj["name"], "arguments": obj["arguments"]}, end))
+            except (ValueError, KeyError, TypeError):
+                break
+            if not text.startswith(SEPARATORS[0], end):
+                break
+            i = end + len(SEPARATORS[0])
+        return out
+
+    def calls_text(self, text: str, end: int) -> str:
+        return text[:end] + "]" + CALL_CLOSE
+
 
 def tools_json(tools: Iterable[Tool]) -> str:
     return json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters}

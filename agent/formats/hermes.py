@@ -81,6 +81,39 @@ class HermesFormat(ToolFormat):
         return calls, ""
 
 
+    def complete_calls(self, text: str) -> list[tuple[dict, int]]:
+        s = text.lstrip()
+        if s.startswith(OPEN):
+            found = ((m.group(1), m.end()) for m in _BLOCK.finditer(text))
+        elif s.startswith('{"name"'):
+            found = _bare_objects_at(text, len(text) - len(s))
+        else:
+            return []
+        out = []
+        for body, end in found:
+            try:
+                obj = json.loads(body) if isinstance(body, str) else body
+                out.append(({"name": obj["name"], "arguments": obj["arguments"]}, end))
+            except (ValueError, KeyError, TypeError):
+                break
+        return out
+
+
+def _bare_objects_at(text: str, i: int) -> list[tuple[dict, int]]:
+    """The complete JSON objects of ``text`` from offset ``i`` on, one after another (whitespace between), each with
+    the offset just past it; stops at the first incomplete one."""
+    decoder, out = json.JSONDecoder(), []
+    while i < len(text):
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+        out.append((obj, i))
+        while i < len(text) and text[i].isspace():
+            i += 1
+    return out
+
+
 def _bare_objects(text: str) -> list[dict]:
     """The JSON objects of ``text`` written one after another (whitespace between)."""
     decoder, out, i = json.JSONDecoder(), [], 0

@@ -1,0 +1,279 @@
+"""agent/server.py under load and misuse: every limit holds for streams too, a client that leaves stops its decode,
+client errors are 4xx decided before the status line, a key guards the routes, SIGTERM drains, /metrics.
+
+Servers bind 127.0.0.1 (ephemeral port) over the tiny random model; every load here is bounded in count and time.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import pytest
+
+from agent.engine import EngineConfig, LocalEngine
+from agent.server import Cancelled, ServerThread, create_app
+from decoding import Generator
+
+from test_server import CONFIG, TOOLS, GatedEngine, user
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    return LocalEngine(Generator(tiny_target))
+
+
+class SlowEngine(GatedEngine):
+    """Each decoded piece of text takes ``delay`` seconds; records how each turn ended."""
+
+    def __init__(self, engine: LocalEngine, delay: float = 0.05):
+        super().__init__(engine)
+        self.gate.set()
+        self.delay = delay
+        self.ended: list[str] = []
+
+    def turn(self, messages, tools, tool_choice="auto", response_format=None, parallel=None,
+             config=EngineConfig(), on_text=None):
+        def slow(text):
+            time.sleep(self.delay)
+            if on_text:
+                on_text(text)
+        try:
+            out = super().turn(messages, tools, tool_choice, response_format, parallel, config, slow)
+        except Cancelled as e:
+            self.ended.append(f"cancelled:{e}")
+            raise
+        self.ended.append("done")
+        return out
+
+
+@dataclass
+class Reply:
+    status_code: int
+    headers: dict
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def request(method: str, url: str, json_body=None, headers=None, timeout: float = 60) -> Reply:
+    """One HTTP request with the standard library (raises TimeoutError when no answer comes in ``timeout`` s)."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        data = None if json_body is None else json.dumps(json_body).encode()
+        conn.request(method, u.path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode())
+    finally:
+        conn.close()
+
+
+def post(url, json_body, **kw) -> Reply:
+    return request("POST", url, json_body, **kw)
+
+
+def body(**kw) -> dict:
+    out = {"model": "gated", "messages": user("hi"), "max_tokens": 4}
+    out.update(kw)
+    return out
+
+
+def in_flight(url: str) -> int:
+    return request("GET", url.removesuffix("/v1") + "/health", timeout=10).json()["in_flight"]
+
+
+def wait_until(pred, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+# -- the queue counts streams -------------------------------------------------------------------------------------
+def test_streams_are_counted_before_their_response_starts_and_the_excess_gets_429(engine):
+    gated = GatedEngine(engine)
+    with ServerThread(create_app(gated, config=CONFIG, max_waiting=2)) as url:
+        results = []
+
+        def stream(_):
+            r = post(url + "/chat/completions", body(stream=True))
+            results.append((r.status_code, r.text.encode()))
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: in_flight(url) == 3)
+        for extra in (body(stream=True), body()):
+            r = post(url + "/chat/completions", extra, timeout=10)
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        gated.gate.set()
+        for t in threads:
+            t.join(60)
+        assert [s for s, _ in results] == [200] * 3 and all(b"[DONE]" in b for _, b in results)
+        assert in_flight(url) == 0
+
+
+# -- cancellation -------------------------------------------------------------------------------------------------
+def test_a_stream_closed_after_two_chunks_stops_its_decode_and_frees_its_slot(engine):
+    slow = SlowEngine(engine)
+    with ServerThread(create_app(slow, config=CONFIG)) as url:
+        u = urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", u.path + "/chat/completions",
+                     json.dumps(body(stream=True, tool_choice="none", max_tokens=400)),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        chunks = []
+        while len(chunks) < 2:
+            line = r.fp.readline()
+            if line.startswith(b"data: "):
+                chunks.append(line)
+        r.close()
+        conn.close()  # the client leaves after two chunks
+        t0 = time.monotonic()
+        wait_until(lambda: in_flight(url) == 0, 5)
+        assert time.monotonic() - t0 < 2  # at the next step, not after 400 tokens × 50 ms
+        wait_until(lambda: slow.ended)
+        assert slow.ended == ["cancelled:disconnected"]
+
+
+def test_a_non_streamed_client_that_times_out_stops_its_decode(engine):
+    slow = SlowEngine(engine)
+    with ServerThread(create_app(slow, config=CONFIG)) as url:
+        with pytest.raises(TimeoutError):
+            post(url + "/chat/completions", body(tool_choice="none", max_tokens=400), timeout=0.5)
+        wait_until(lambda: in_flight(url) == 0, 5)
+        wait_until(lambda: slow.ended)
+        assert slow.ended == ["cancelled:disconnected"]
+
+
+def test_a_waiting_request_whose_client_left_never_decodes(engine):
+    gated = GatedEngine(engine)
+    with ServerThread(create_app(gated, config=CONFIG)) as url:
+        first = threading.Thread(target=lambda: post(url + "/chat/completions", body()))
+        first.start()
+        wait_until(lambda: in_flight(url) == 1)
+        with pytest.raises(TimeoutError):
+            post(url + "/chat/completions", body(), timeout=0.5)
+        wait_until(lambda: in_flight(url) == 1, 5)  # the waiting one is gone at once, the running one stays
+        gated.gate.set()
+        first.join(60)
+        assert in_flight(url) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_stops_the_decode_and_answers_504(engine, stream):
+    slow = SlowEngine(engine)
+    with ServerThread(create_app(slow, config=CONFIG, request_timeout=0.5)) as url:
+        t0 = time.monotonic()
+        r = post(url + "/chat/completions", body(stream=stream, tool_choice="none", max_tokens=400), timeout=30)
+        assert time.monotonic() - t0 < 5
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert r.status_code == 200 and events[-1]["error"]["code"] == "timeout"
+        else:
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        wait_until(lambda: in_flight(url) == 0, 5)
+        assert slow.ended == ["cancelled:timeout"]
+
+
+# -- client errors: 4xx before the status line, streamed or not ---------------------------------------------------
+@pytest.fixture(scope="module")
+def url(engine):
+    with ServerThread(create_app(engine, model_name="gated", config=CONFIG, max_body_bytes=200_000)) as u:
+        yield u
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"code": "a"}'}}
+
+
+@pytest.mark.parametrize("kw, status, param, text", [
+    (dict(messages=user("word " * 5000)), 400, "messages", "maximum context length is 4096 tokens"),
+    (dict(messages=user("word " * 3000), max_tokens=2000), 400, "messages", "in the completion"),
+    (dict(seed=2 ** 64), 400, "seed", "64 bits"),
+    (dict(seed=-2 ** 63 - 1), 400, "seed", "64 bits"),
+    (dict(drafter="draft_model"), 400, "drafter", "draft_model"),
+    (dict(num_draft_tokens=33), 400, "num_draft_tokens", "at most 32"),
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "tool", "content": "1"}]), 400, "messages[1].tool_call_id",
+     "required"),
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]), 400,
+     "messages[1].role", "preceding message with 'tool_calls'"),
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL]},
+                                              {"role": "tool", "tool_call_id": "call_2", "content": "1"}]), 400,
+     "messages[2].role", "'call_2'"),
+    (dict(messages=user("x" * 300_000)), 413, None, "exceeds 200000 bytes"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_errors_are_4xx_before_the_status_line_for_streams_too(url, kw, status, param, text, stream):
+    r = post(url + "/chat/completions", body(stream=stream, **kw))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and text in err["message"]
+    assert "Error" not in err["message"]  # no exception class names
+    assert in_flight(url) == 0
+
+
+def test_a_tool_result_answering_the_assistants_call_is_served(url):
+    msgs = user("x") + [{"role": "assistant", "tool_calls": [CALL]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    assert post(url + "/chat/completions", body(tools=TOOLS, messages=msgs)).status_code == 200
+
+
+def test_response_format_strict_false_relaxes_the_grammar_and_validates_after(url):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = lambda strict: {"type": "json_schema", "json_schema": {"name": "r", "strict": strict, "schema": schema}}  # noqa
+    r = post(url + "/chat/completions", body(response_format=fmt(True)))
+    assert r.status_code == 400 and "not" in r.json()["error"]["message"]
+    r = post(url + "/chat/completions", body(response_format=fmt(False), max_tokens=16))
+    assert r.status_code in (200, 500), r.text  # 500 only when the relaxed output fails validation
+    if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop":
+        assert json.loads(r.json()["choices"][0]["message"]["content"])["n"] != 3
+
+
+# -- authentication, metrics, drain -------------------------------------------------------------------------------
+def test_api_key_guards_every_route_but_health(engine):
+    with ServerThread(create_app(engine, model_name="gated", config=CONFIG, api_key="s3cret")) as url:
+        root = url.removesuffix("/v1")
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = request(method, root + path, body() if method == "POST" else None, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert request("GET", root + "/health").status_code == 200
+        ok = {"Authorization": "Bearer s3cret"}
+        assert request("GET", root + "/v1/models", headers=ok).status_code == 200
+        assert post(url + "/chat/completions", body(stream=True), headers=ok).status_code == 200
+
+
+def test_metrics_are_prometheus_text(url):
+    post(url + "/chat/completions", body())
+    post(url + "/chat/completions", body(seed=2 ** 64))
+    text = request("GET", url.removesuffix("/v1") + "/metrics").text
+    for line in ('specagent_requests_total{status="200"}', 'specagent_requests_total{status="400"}',
+                 "specagent_generated_tokens_total", "specagent_queue_length 0.0", "specagent_in_flight 0.0",
+                 "specagent_request_latency_seconds_count", "specagent_acceptance_rate"):
+        assert line in text, line
+
+
+def test_sigterm_drains_new_requests_get_503_and_in_flight_ones_finish(engine):
+    gated = GatedEngine(engine)
+    server = ServerThread(create_app(gated, config=CONFIG))
+    url, results = server.url, []
+    t = threading.Thread(target=lambda: results.append(post(url + "/chat/completions", body())))
+    t.start()
+    wait_until(lambda: in_flight(url) == 1)
+    server.drain()
+    r = post(url + "/chat/completions", body(), timeout=10)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert request("GET", url.removesuffix("/v1") + "/health").json()["status"] == "draining"
+    gated.gate.set()
+    t.join(60)
+    assert results[0].status_code == 200
+    server.thread.join(30)
+    assert not server.thread.is_alive()

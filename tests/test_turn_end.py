@@ -1,0 +1,193 @@
+"""Where a turn ends: every end-of-generation token the model declares ends it where the grammar accepts (after the
+whitespace the model writes), and a several-call turn ends at the first call that repeats an earlier one, at the
+call cap, or at the budget with its whole calls returned.
+
+The target is scripted (a backend row of its own, ``decoding.BACKENDS``): its argmax writes a given text, so each
+test states exactly what the model wants to write, for every tool format's tiny family tokenizer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import openai
+import pytest
+import torch
+
+from agent import Agent
+from agent.engine import EngineConfig, LocalEngine
+from agent.formats import FORMATS, make_format
+from agent.server import ServerThread, create_app
+from decoding import BACKENDS, Backend, Generator, LoadedModel
+from schemas import Tool
+
+from test_formats import WEATHER, family
+
+OSLO = {"city": "Oslo", "unit": "celsius"}
+ROME = {"city": "Rome", "unit": "celsius"}
+TIME = Tool.from_openai({"type": "function", "function": {
+    "name": "get_time", "description": "Local time of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}})
+
+
+class ScriptedLoaded(LoadedModel):
+    """A tiny model whose target writes ``script`` (token ids) greedily after any prompt."""
+
+    script: list[int] = []
+
+
+class ScriptedLM:
+    """A :class:`decoding.TargetModel` whose logits put the script's next token first (10.0; all others 0.0)."""
+
+    def __init__(self, loaded: ScriptedLoaded):
+        self.loaded, self.device, self.vocab_size = loaded, torch.device("cpu"), loaded.vocab_size
+        self.seq: list[int] = []
+        self.prompt_len = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.seq)
+
+    def reset(self) -> None:
+        self.seq = []
+
+    def reuse_prefix(self, prompt: list[int]) -> int:
+        self.prompt_len, self.seq = len(prompt), []
+        return 0
+
+    def forward(self, tokens, *, num_logits=None, hidden=False, logit_rows=None):
+        start = len(self.seq)
+        self.seq += tokens
+        rows = logit_rows if logit_rows is not None else list(range(len(tokens) - (num_logits or len(tokens)),
+                                                                    len(tokens)))
+        logits = torch.zeros((len(rows), self.vocab_size))
+        for r, i in enumerate(rows):
+            out = start + i + 1 - self.prompt_len  # index of the output token these logits choose
+            if 0 <= out < len(self.loaded.script):
+                logits[r, self.loaded.script[out]] = 10.0
+        return logits, None
+
+    def crop(self, length: int) -> None:
+        del self.seq[length:]
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def scripted_backend(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "scripted", Backend("scripted", "the test's scripted target", ScriptedLoaded,
+                                                      lambda *a, **k: None, lambda loaded, kv: ScriptedLM(loaded)))
+
+
+def scripted(smol_dir, name: str, text: str, end: str | None):
+    """(format, Generator) for the ``name`` family whose model writes ``text`` and then the token ``end``."""
+    tok, target, _ = family(smol_dir, name)
+    loaded = ScriptedLoaded(**{f.name: getattr(target, f.name) for f in dataclasses.fields(target)})
+    loaded.script = tok.encode(text, add_special_tokens=False) + ([tok.convert_tokens_to_ids(end)] if end else [])
+    return make_format(tok), Generator(loaded)
+
+
+def call_text(name: str, calls: list[tuple[str, dict]]) -> str:
+    """The calls in the ``name`` family's layout (what its models write)."""
+    objs = [json.dumps({"name": n, ("parameters" if name == "llama3_json" else "arguments"): a}) for n, a in calls]
+    if name == "hermes":
+        return "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objs)
+    if name == "generic":
+        return "<tool_call>[" + ", ".join(objs) + "]</tool_call>"
+    return objs[0]
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+@pytest.mark.parametrize("name,newline", [(n, False) for n in FORMATS] + [("hermes", True)])
+def test_an_end_token_other_than_eos_ends_the_turn(smol_dir, name, newline, drafter):
+    """Qwen2.5-Coder writes ``</tool_call>``, ``\n``, ``<|endoftext|>`` (its EOS is ``<|im_end|>``): before, the
+    grammar forbade both, and every turn was forced into another call up to the budget."""
+    text = call_text(name, [("get_weather", OSLO)]) + ("\n" if newline else "")
+    fmt, gen = scripted(smol_dir, name, text, "<|endoftext|>")
+    endoftext = gen.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext in gen.eog_token_ids and endoftext != gen.tokenizer.eos_token_id
+    engine = LocalEngine(gen)
+    turn = engine.turn([{"role": "user", "content": "Weather in Oslo?"}], [WEATHER], "required",
+                       config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert turn.stop_reason == "eos" and turn.calls == [{"name": "get_weather", "arguments": OSLO}], turn.text
+    assert turn.text == text  # the end token itself is not output
+    res = Agent(engine, [WEATHER]).run("Weather in Oslo?", tool_choice="required", max_new_tokens=120, max_steps=1)
+    assert not res.truncated and [(c.name, c.arguments) for c in res.pending_calls] == [("get_weather", OSLO)]
+    events = list(Agent(engine, [WEATHER]).stream("Weather in Oslo?", tool_choice="required", max_new_tokens=120,
+                                                  max_steps=1))
+    assert "".join(e.text for e in events if e.type == "token") == text
+    assert [e.call.name for e in events if e.type == "tool_call_started"] == ["get_weather"]
+
+
+def test_an_end_token_is_masked_where_the_grammar_does_not_accept(smol_dir):
+    fmt, gen = scripted(smol_dir, "hermes", "", None)
+    state = gen.new_state(fmt.turn_grammar([WEATHER], "required"))
+    row = state.next_mask()
+    from constraints import is_allowed_row
+
+    assert not any(is_allowed_row(row, t) for t in gen.eog_token_ids)  # a call must come first
+    text = call_text("hermes", [("get_weather", OSLO)])
+    state.consume_many(gen.tokenizer.encode(text, add_special_tokens=False))
+    row = state.next_mask()
+    assert all(is_allowed_row(row, t) for t in gen.eog_token_ids)
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.parallel])
+def test_a_parallel_turn_ends_at_the_first_repeated_call_and_returns_each_call_once(smol_dir, name, drafter):
+    repeats = [("get_weather", OSLO), ("get_time", {"city": "Oslo"}), ("get_weather", OSLO), ("get_weather", ROME)]
+    text = call_text(name, repeats)
+    if name == "generic":
+        text = text[:-len("]</tool_call>")] + ", "  # the model would go on writing calls
+    fmt, gen = scripted(smol_dir, name, text, None)
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Weather and time in Oslo?"}], [WEATHER, TIME],
+                                 "required", parallel_tool_calls=True,
+                                 config=EngineConfig(drafter=drafter, max_new_tokens=200))
+    assert turn.stop_reason == "stop" and not turn.truncated
+    assert turn.calls == [{"name": "get_weather", "arguments": OSLO}, {"name": "get_time", "arguments": {"city": "Oslo"}}]
+    assert fmt.parse(turn.text)[0] == turn.calls  # the kept text is a complete turn
+
+
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.parallel])
+def test_a_parallel_turn_stops_at_the_call_cap(smol_dir, name):
+    calls = [("get_weather", {"city": c, "unit": "celsius"}) for c in ("Oslo", "Rome", "Paris", "Bern")]
+    fmt, gen = scripted(smol_dir, name, call_text(name, calls), None)
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required",
+                                 parallel_tool_calls=True, config=EngineConfig(max_new_tokens=300,
+                                                                              max_parallel_calls=2))
+    assert [c["arguments"]["city"] for c in turn.calls] == ["Oslo", "Rome"] and turn.stop_reason == "stop"
+
+
+@pytest.mark.parametrize("name", [n for n, f in FORMATS.items() if f.parallel])
+def test_a_parallel_turn_cut_by_the_budget_returns_its_whole_calls_never_the_cut_one(smol_dir, name):
+    calls = [("get_weather", OSLO), ("get_weather", ROME), ("get_weather", {"city": "Paris", "unit": "celsius"})]
+    text = call_text(name, calls)
+    fmt, gen = scripted(smol_dir, name, text, None)
+    whole_two = len(gen.tokenizer.encode(call_text(name, calls[:2]), add_special_tokens=False))
+    engine = LocalEngine(gen)
+    turn = engine.turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required", parallel_tool_calls=True,
+                       config=EngineConfig(max_new_tokens=whole_two + 6))
+    assert turn.truncated and turn.calls == [{"name": "get_weather", "arguments": OSLO},
+                                             {"name": "get_weather", "arguments": ROME}]
+    res = Agent(engine, [WEATHER]).run("Weather?", tool_choice="required", parallel_tool_calls=True,
+                                       max_new_tokens=whole_two + 6)
+    assert res.truncated and [c.arguments["city"] for c in res.pending_calls] == ["Oslo", "Rome"]
+    turn = engine.turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required", parallel_tool_calls=True,
+                       config=EngineConfig(max_new_tokens=3))
+    assert turn.truncated and turn.calls is None  # nothing whole yet: nothing returned
+
+
+def test_server_answers_tool_calls_ended_by_the_models_own_end_token(smol_dir):
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("get_weather", OSLO)]) + "\n", "<|endoftext|>")
+    with ServerThread(create_app(LocalEngine(gen), model_name="scripted")) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Oslo?"}],
+                                           tools=[{"type": "function", "function": {
+                                               "name": WEATHER.name, "description": WEATHER.description,
+                                               "parameters": WEATHER.parameters}}],
+                                           tool_choice="required", max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", OSLO)]
