@@ -133,7 +133,11 @@ class Engine(Protocol):
             tool_choice: ``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}`` or OpenAI's named form.
             response_format: JSON Schema of a structured answer, or None for free text; a local engine also takes
                 a :class:`schemas.ResponseFormat`, whose ``strict=False`` relaxes the grammar (validated after).
-            parallel_tool_calls: allow several calls in the turn (None: the format's default).
+            parallel_tool_calls: ``False``: one call; ``None`` (default): several allowed where the format has a
+                layout for them; ``True``: several asked for (``ToolFormat.several_calls_rule``: hermes writes at
+                least two marked blocks). A several-call turn ends at the first call that repeats an earlier one,
+                at ``config.max_parallel_calls`` calls (:class:`ParallelCallsEnd`), where the model ends it, or at
+                the budget (then its whole calls are returned).
             config: drafter, γ, caps, sampling and budget.
             on_text: called with each new piece of text as it is decoded (streaming).
         """
@@ -222,7 +226,7 @@ class LocalEngine:
         # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
             self.format.is_call(text) or text.startswith(tuple(self.call_start_chars)))))
-        stop = out.stop_reason
+        stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
             stop = "grammar"  # every call is whole (another could have followed): nothing was cut
         if stop != "length":

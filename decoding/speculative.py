@@ -281,9 +281,8 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
     grammar or ``max_new_tokens``. ``drafter`` proposes non-forced tokens (None: schema-forced tokens only);
     γ = ``num_draft_tokens`` drafter tokens per window (forced ones do not count; ``max_window`` caps both),
     adapted online with ``adaptive`` (:meth:`Drafter.adapt_num_draft_tokens`, within ``max_num_draft_tokens``);
-    greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step, when the grammar
-    state and KV cache equal those rebuilt from scratch; a true return value stops there (``"stop"``). Returns a
-    :class:`DecodeResult`."""
+    greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step (grammar state and
+    KV cache then equal those rebuilt from scratch); True from it stops there (``"stop"``). → :class:`DecodeResult`."""
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
     drafter = drafter or NoDrafter()

@@ -191,3 +191,21 @@ def test_server_answers_tool_calls_ended_by_the_models_own_end_token(smol_dir):
     assert choice.finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [("get_weather", OSLO)]
+
+
+def test_several_calls_asked_for_make_hermes_write_a_second_call(smol_dir):
+    """``parallel_tool_calls=True`` on hermes: at least two marked blocks (Qwen2.5-Coder-0.5B stops after one call
+    where several are asked for); with the default (None) the model ends the turn itself; a second call that
+    repeats the first is dropped."""
+    one = call_text("hermes", [("get_weather", OSLO)]) + "\n"
+    fmt, gen = scripted(smol_dir, "hermes", one + call_text("hermes", [("get_weather", OSLO)]), "<|endoftext|>")
+    engine = LocalEngine(gen)
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    turn = engine.turn(ask, [WEATHER], "required", config=EngineConfig(max_new_tokens=200))
+    assert turn.stop_reason == "stop" and turn.calls == [{"name": "get_weather", "arguments": OSLO}]
+    fmt, gen = scripted(smol_dir, "hermes", one, "<|endoftext|>")
+    engine = LocalEngine(gen)
+    turn = engine.turn(ask, [WEATHER], "required", config=EngineConfig(max_new_tokens=200))
+    assert turn.stop_reason == "eos" and len(turn.calls) == 1  # default: the model ends
+    turn = engine.turn(ask, [WEATHER], "required", parallel_tool_calls=True, config=EngineConfig(max_new_tokens=60))
+    assert turn.stop_reason != "eos" and turn.text.startswith(one + "<tool_call>")  # asked for several: goes on

@@ -68,7 +68,8 @@ class ToolFormat:
         Args:
             tools: tools the model may call (already filtered for a named ``tool_choice``).
             tool_choice: ``"auto"`` (calls or an answer), ``"required"`` (calls), ``"none"`` (an answer only).
-            parallel: allow several calls in one turn (None: as the format allows).
+            parallel: ``False``: one call; ``None``: several allowed, as the format allows (:meth:`calls_rule`);
+                ``True``: several asked for: the layout the family continues in (:meth:`several_calls_rule`).
             response_format: JSON Schema of the final answer (replaces free text).
             max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``).
             after_results: the turn follows tool results (a format may narrow the call layouts it accepts).
@@ -77,6 +78,7 @@ class ToolFormat:
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
+        several = parallel is True  # asked for: the layout the family continues in (several_calls_rule)
         parallel = self.check_parallel(parallel)
         rules, start = [], []
         if tool_choice != "none" and tools:
@@ -86,7 +88,8 @@ class ToolFormat:
             rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
             # the model's own end: any whitespace it writes before its end-of-generation token (Qwen2.5-Coder
             # writes "\n" after </tool_call>, p ≈ 0.99, then <|endoftext|>); the parsers strip it
-            rules.append(f"calls: ({self.calls_rule(parallel, after_results)}) {self.end_whitespace}")
+            body = self.several_calls_rule(after_results) if several else self.calls_rule(parallel, after_results)
+            rules.append(f"calls: ({body}) {self.end_whitespace}")
             start.append("calls")
         if tool_choice != "required" or not tools:
             if response_format is not None:
@@ -128,6 +131,13 @@ class ToolFormat:
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
         """The Lark body of ``calls`` in terms of the ``call`` rule (one call object)."""
         raise NotImplementedError
+
+    def several_calls_rule(self, after_results: bool = False) -> str:
+        """The Lark body of ``calls`` when several calls are asked for (``parallel_tool_calls=True``): the layout the
+        family's models continue in after a call (hermes: the marked blocks, at least two — Qwen2.5-Coder-0.5B ends
+        after its first call otherwise: BFCL dev split parallel 0/10, with two or more 4/10). Default:
+        :meth:`calls_rule` with ``parallel=True``."""
+        return self.calls_rule(True, after_results)
 
     def gbnf_root(self) -> str:
         """The GBNF root rule of one turn of one call in this family's layout, in terms of a ``call`` rule (the call

@@ -57,6 +57,10 @@ class HermesFormat(ToolFormat):
             return f"{block} | call"
         return f'{block} ("\\n" {block})* | call ("\\n" call)*'
 
+    def several_calls_rule(self, after_results: bool = False) -> str:
+        block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
+        return f'{block} ("\\n" {block})+'  # the marked layout (the one the model continues in), two calls or more
+
     def gbnf_root(self) -> str:
         return f'"{OPEN}\\n" call "\\n{CLOSE}" | call'
 
