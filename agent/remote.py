@@ -13,6 +13,7 @@ tokenizer or chat template); the local speculative invariants are the server's b
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
@@ -109,15 +110,28 @@ class OpenAIEngine:
         # a cut call: sent partly (vLLM) or not at all (this project's server: no text either)
         is_call = bool(calls) or finish == "tool_calls" or (
             stop_reason == "length" and not content and bool(tools) and tool_choice != "none")
-        complete = is_call and stop_reason != "length"
         if stop_reason != "length":
             _check_tool_choice(tool_choice, calls if is_call else None)
-        return DecodedTurn(content, calls if complete else None, is_call, stop_reason, stats)
+            return DecodedTurn(content, calls if is_call else None, is_call, stop_reason, stats)
+        # cut by the budget: the whole calls before the cut one (this project's server sends only those; another
+        # server may send the cut one too, whose arguments are then not whole JSON: never returned)
+        whole = [c for c in calls if _whole_json(c["arguments"])] if is_call else []
+        return DecodedTurn(content, whole or None, is_call, stop_reason, stats)
 
     def _stream(self, body: dict, extra: dict, on_text: Callable[[str], None]):
         stream = self.client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True},
                                                      extra_body=extra or None)
         return collect_stream(stream, on_text)
+
+
+def _whole_json(arguments: Any) -> bool:
+    """Whether a call's ``arguments`` (a dict, or a JSON string as a server sent it) is a whole JSON object."""
+    if not isinstance(arguments, str):
+        return isinstance(arguments, dict)
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def collect_stream(stream, on_text: Callable[[str], None] | None = None) -> tuple[str, list[dict], str | None, Any]:

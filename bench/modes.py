@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from agent.formats import make_format
-from decoding import (BACKENDS, DEFAULT_BACKEND, DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel,
+from decoding import (BACKENDS, DRAFTERS, Generator, LlamaCppUnavailableError, LoadedModel,
                       ModelNotFoundError, backend_of)
 from constraints import schema_compiles
 from schemas import SpecAgentError, ToolRegistry, call_schema
@@ -48,8 +48,8 @@ def all_modes() -> tuple[str, ...]:
 def baseline_of(mode: str) -> str:
     """The mode whose output ``mode``'s ``identical_to_constrained`` compares with: the constrained greedy of the
     same backend (``llamacpp_engine_constrained`` for the llama.cpp backend); ``constrained`` for the peers."""
-    backend = our_modes().get(mode, (DEFAULT_BACKEND, None))[0]
-    return BACKENDS[backend].bench_prefix + BASELINE
+    ours = our_modes().get(mode)
+    return BASELINE if ours is None else BACKENDS[ours[0]].bench_prefix + BASELINE
 
 
 def is_baseline(mode: str) -> bool:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .llamacpp import LlamaCppModel, load_llamacpp
-from .loader import LoadedModel, load_model
+from .llamacpp import LlamaCppModel, available as llamacpp_available, gguf_of, load_llamacpp
+from .loader import LoadedModel, ModelNotFoundError, load_model
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
@@ -156,6 +156,10 @@ class Backend:
 
 
 def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+    if threads is not None:  # torch's intra-op threads are per process
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
     return load_model(spec, device=device, dtype=dtype)
 
 
@@ -180,7 +184,7 @@ BACKENDS: dict[str, Backend] = {
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
         bench_prefix="llamacpp_engine_"),
 }
-DEFAULT_BACKEND = "torch"
+DEFAULT_BACKEND = "llamacpp" if llamacpp_available() else "torch"  # where a backend is not named (see choose_backend)
 
 
 def get_backend(name: str) -> Backend:
@@ -202,12 +206,35 @@ def backend_of(loaded: Any) -> Backend:
     raise TypeError(f"{type(loaded).__name__} is not a loaded model of any backend ({', '.join(BACKENDS)})")
 
 
-def backend_name(backend: str | None, engine: str | None) -> str:
-    """The backend asked for by ``backend=`` or its alias ``engine=`` (default :data:`DEFAULT_BACKEND`).
+def backend_name(backend: str | None, engine: str | None, *, model: str | None = None, device: str = "cpu",
+                 dtype: str = "float32", needs: frozenset[str] = frozenset()) -> str:
+    """The backend asked for by ``backend=`` or its alias ``engine=``; where neither names one,
+    :func:`choose_backend` for ``model``, ``device``, ``dtype`` and a drafter that ``needs`` these.
 
     Raises:
         ValueError: both given and different, or an unknown name.
     """
     if backend is not None and engine is not None and backend != engine:
         raise ValueError(f"backend={backend!r} and engine={engine!r} disagree (engine= is an alias of backend=)")
-    return get_backend(backend or engine or DEFAULT_BACKEND).name
+    if backend or engine:
+        return get_backend(backend or engine).name
+    return choose_backend(model, device=device, dtype=dtype, needs=needs)
+
+
+def choose_backend(model: str | None, *, device: str = "cpu", dtype: str = "float32",
+                   needs: frozenset[str] = frozenset()) -> str:
+    """The default backend for a model spec: ``llamacpp`` (llama.cpp's CPU kernels on the GGUF as shipped: loads in
+    about a second, the fastest decode on a CPU) where llama-cpp-python is installed, the model is a GGUF (an alias or
+    a ``.gguf`` file), it runs on the CPU in the default dtype and the drafter ``needs`` nothing llama.cpp lacks;
+    else ``torch`` (GPUs, Hugging Face directories, the MTP head and draft-model drafters)."""
+    cpp = BACKENDS.get("llamacpp")
+    if cpp is None or DEFAULT_BACKEND != "llamacpp" or device != "cpu" or dtype not in ("float32", "fp32"):
+        return "torch"
+    if not cpp.supports(needs):
+        return "torch"
+    if model is not None:
+        try:
+            gguf_of(model)
+        except ModelNotFoundError:
+            return "torch"
+    return "llamacpp"

@@ -81,7 +81,7 @@ def start_decode(target: TargetModel, prompt: list[int], state: ConstraintState,
     Raises:
         ValueError: the prompt is empty.
     """
-    eos = state.eog_tokens if eos_token_id is None else frozenset({eos_token_id})
+    eos = state.eog_tokens if eos_token_id is None else state.eog_tokens | {eos_token_id}  # the mask allows them all
     stats = DecodeStats()
     t_start = time.perf_counter()
     mask_start = state.mask_seconds
@@ -134,8 +134,8 @@ def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, ma
         state: the sequence's grammar state (advanced in place by the emitted tokens; EOS is not consumed).
         max_new_tokens: output budget; reaching it gives ``stop_reason == "length"``.
         sampling: greedy when ``temperature == 0``.
-        eos_token_id: the one end token (default: the state's ``eog_tokens``, the tokenizer's EOS and the model's
-            other end-of-generation tokens).
+        eos_token_id: one more end token beside the state's ``eog_tokens`` (the tokenizer's EOS and the model's
+            other end-of-generation tokens, all of which the mask allows where the grammar accepts).
         tokenizer: HF tokenizer for ``text`` (None: llguidance's decoder).
         on_step: called with the output tokens so far after each emitted token (streaming); a true return value
             stops the decode there (``stop_reason == "stop"``: a stop condition, nothing cut).

@@ -53,10 +53,11 @@ class Generator:
         device, dtype: used when ``model`` is a spec (torch backend).
         kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``, torch
             backend); None: static on CUDA, dynamic elsewhere.
-        backend: a row of :data:`decoding.backends.BACKENDS` (default ``torch``), used when ``model`` is a spec;
-            ``engine`` is its alias.
-        threads: CPU threads of the llama.cpp backend (default 1: the batch-invariant setting that keeps greedy
-            speculative output token-identical; see :func:`decoding.llamacpp.default_threads`).
+        backend: a row of :data:`decoding.backends.BACKENDS`, used when ``model`` is a spec (None:
+            :func:`decoding.backends.choose_backend`: llama.cpp for a GGUF on the CPU where it is installed, else
+            torch); ``engine`` is its alias.
+        threads: CPU threads of the llama.cpp backend (default: the physical cores this process may use,
+            :func:`decoding.llamacpp.default_threads`; ``1`` is the identity configuration, batch-invariant rows).
 
     Raises:
         ValueError: unknown backend or drafter, a drafter the backend cannot run, ``device``/``dtype`` that do not
@@ -68,7 +69,8 @@ class Generator:
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
                  device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
                  threads: int | None = None, kv_cache: str | None = None):
-        name = backend_name(backend, engine)
+        name = backend_name(backend, engine, model=model if isinstance(model, str) else None, device=device,
+                            dtype=dtype, needs=DRAFTERS[drafter].needs if drafter in DRAFTERS else frozenset())
         if isinstance(model, str):
             self.backend: Backend = BACKENDS[name]
             self.loaded = self.backend.load(model, device=device, dtype=dtype, threads=threads)
@@ -109,7 +111,8 @@ class Generator:
             missing = sorted(DRAFTERS[drafter].needs - self.backend.provides)
             usable = [d for d in DRAFTERS if self.supports(d)]
             raise ValueError(f"the {drafter} drafter needs {', '.join(missing)}, which backend "
-                             f"{self.backend.name!r} does not provide; use one of {', '.join(usable)}")
+                             f"{self.backend.name!r} does not provide; use one of {', '.join(usable)}, or a backend "
+                             f"that provides it (backend='torch', --backend torch)")
 
     def new_state(self, grammar: Grammar) -> ConstraintState:
         """A fresh grammar state for one sequence; every end-of-generation token of the model
@@ -239,12 +242,16 @@ class _TextDeltas:
         text = self.tokenizer.decode(tokens, skip_special_tokens=False)
         if text.endswith("\ufffd"):
             return False
+        if self.stop_when is not None and self.stop_when(text):
+            return True  # the caller trims this step's text: not streamed
         if self.emit is not None and text.startswith(self.sent) and len(text) > len(self.sent):
             self.emit(text[len(self.sent):])
             self.sent = text
-        return self.stop_when is not None and bool(self.stop_when(text))
+        return False
 
     def finish(self, text: str) -> None:
+        if self.stop_when is not None and self.stop_when(text):
+            return
         if self.emit is not None and text.startswith(self.sent) and len(text) > len(self.sent):
             self.emit(text[len(self.sent):])
             self.sent = text

@@ -19,8 +19,9 @@ rows, Leviathan acceptance and rollback run exactly as with the torch backend (`
 Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
 k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36, AVX2): with one thread
 and no weight repacking the logits are bit-identical (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M); with two threads, or
-with repacking (Q4_K), they differ by up to ~1 logit and a near-tie argmax flips. So the backend defaults to one
-thread and ``repack=False`` (:func:`default_threads`); ``threads=N`` trades exact identity for speed.
+with repacking (Q4_K), they differ by up to ~1 logit and a near-tie argmax flips. The backend runs on every
+physical core by default, as llama.cpp's tools do (:func:`default_threads`), with ``repack=False``; the identity
+configuration is ``threads=1``.
 ``tests/test_llamacpp.py`` checks both the bit-identity and the token identity; the benchmark reports
 ``identical_to_constrained`` per backend.
 
@@ -184,6 +185,8 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
             after rejected draft tokens).
         RuntimeError: llama.cpp failed to load the file.
     """
+    if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {n_threads!r}")
     llama_cpp = _llama_cpp()
     path, name, sha = gguf_of(spec)
     tok = gguf_tokenizer(path, sha)
@@ -368,8 +371,42 @@ class LlamaCppLM:
 
 
 def default_threads() -> int:
-    """Threads of the llama.cpp backend when none are given: 1, the setting measured batch-invariant (a row's logits in
-    a k-row verify batch bit-identical to the row alone), so that greedy speculative output is token-identical to
-    one token per forward. More threads are faster per forward, but llama.cpp then splits k-row and one-row work
-    differently and a near-tie argmax can flip (measured: README, "The llama.cpp backend")."""
-    return 1
+    """Threads of the llama.cpp backend when none are given: the physical cores this process may run on
+    (``os.sched_getaffinity``, so cpusets and ``taskset`` count; SMT siblings counted once; at most a cgroup v2 CPU
+    quota, ``cpu.max``), as llama.cpp's own tools do.
+
+    Not batch-invariant: with more than one thread llama.cpp splits a k-row verify differently from one row, so
+    a row's logits can differ in the last bits and a near-tie argmax can flip (greedy speculative output then
+    differs from one token per forward at a few positions; the benchmark's ``identical_to_constrained`` measures
+    how often). The identity configuration is ``threads=1`` (``--threads 1``): bit-identical rows, measured (see
+    docs/benchmarks.md, "llama.cpp batch invariance")."""
+    import os
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.add(siblings)
+    return max(1, min(len(cores), _cgroup_cpus() or len(cores)))
+
+
+def _cgroup_cpus() -> int | None:
+    """CPUs a cgroup v2 CPU quota allows (``cpu.max``: quota / period, rounded up), or None without a quota."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+
+
+def available() -> bool:
+    """Whether llama-cpp-python is installed (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None

@@ -114,7 +114,7 @@ class LoadedModel:
         ``eos_token_id``, one id or a list)."""
         declared = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
-        return end_of_generation_ids(self.tokenizer, declared)
+        return frozenset(t for t in end_of_generation_ids(self.tokenizer, declared) if t < self.vocab_size)
 
 
 # Special tokens that end generation wherever a tokenizer has them (beside its EOS): the end-of-text and end-of-turn

@@ -53,9 +53,18 @@ def test_a_new_backend_row_is_a_cli_choice(fake_backend):
 
     for flag in ("--backend", "--engine"):  # --engine is the older name, kept
         args = build_parser().parse_args(["run", flag, "fake", "--tools", "m:o", "hi"])
-        assert args.backend == "fake"
+        assert (args.backend or args.engine) == "fake"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--backend", "nope", "--tools", "m:o", "hi"])
+
+
+def test_cli_refuses_disagreeing_backend_flags_and_bad_threads(capsys):
+    from agent.__main__ import main
+
+    assert main(["run", "--backend", "torch", "--engine", "llamacpp", "--tools", "m:o", "hi"]) == 2
+    assert "--backend torch and --engine llamacpp disagree" in capsys.readouterr().err
+    assert main(["run", "--threads", "0", "--tools", "m:o", "hi"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
 
 
 def test_a_new_backend_row_loads_and_decodes_for_the_agent(fake_backend):

@@ -39,7 +39,8 @@ def test_bench_writes_results_with_every_field(bench_out):
         assert tuple(r) == FIELDS, mode
         assert r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0, mode
     assert data["constrained"]["speedup_vs_constrained"] == 1.0
-    assert data["constrained"]["tokens_per_forward"] == 1.0
+    # one token per forward, plus the forward whose token is the model's end token where it ends the turn itself
+    assert 0.9 < data["constrained"]["tokens_per_forward"] <= 1.0
     assert data["lookup"]["acceptance_by_position"] and data["hf_assisted_constrained"]["acceptance_by_position"]
     assert data["hf_unconstrained"]["acceptance_by_position"] is None
     assert (bench_out / "results.md").read_text().count("\n| ") >= len(MODES) + 1

@@ -106,7 +106,7 @@ def test_sampled_speculative_output_validates(gen, questions):
         tool.make_call(calls[0]["arguments"])  # raises if invalid
 
 
-def test_agent_runs_tools_on_the_llamacpp_engine(cpp):
+def test_agent_runs_tools_on_the_llamacpp_backend(cpp):
     from agent.demo_tools import TOOLS
 
     agent = Agent(Generator(cpp), TOOLS, max_steps=2)
@@ -115,11 +115,12 @@ def test_agent_runs_tools_on_the_llamacpp_engine(cpp):
     assert res.tool_calls[0].result["city"].lower() == "tokyo"
     assert res.final_answer
     factory, args, kwargs = agent.engine.spec()  # rebuilt from the GGUF path (ctypes handles do not pickle)
-    assert kwargs["engine"] == "llamacpp" and args[0].endswith(".gguf")
+    assert kwargs["backend"] == "llamacpp" and args[0].endswith(".gguf")
 
 
 def test_drafters_that_need_torch_weights_are_refused_with_a_clear_error(cpp):
-    with pytest.raises(ValueError, match="mtp drafter needs the target's torch weights"):
+    with pytest.raises(ValueError, match="the mtp drafter needs hidden_states, torch_weights, which backend 'llamacpp' "
+                                         "does not provide; use one of none, forced, schema, lookup"):
         Generator(cpp, drafter="mtp")
     gen = Generator(cpp)
     with pytest.raises(ValueError, match="lookup_mtp|mtp drafter"):

@@ -135,7 +135,7 @@ class ToolFormat:
     def several_calls_rule(self, after_results: bool = False) -> str:
         """The Lark body of ``calls`` when several calls are asked for (``parallel_tool_calls=True``): the layout the
         family's models continue in after a call (hermes: the marked blocks, at least two — Qwen2.5-Coder-0.5B ends
-        after its first call otherwise: BFCL dev split parallel 0/10, with two or more 4/10). Default:
+        after its first call otherwise: dev split, several-call questions 0/10, with two or more 4/10). Default:
         :meth:`calls_rule` with ``parallel=True``."""
         return self.calls_rule(True, after_results)
 
