@@ -209,3 +209,47 @@ def test_several_calls_asked_for_make_hermes_write_a_second_call(smol_dir):
     assert turn.stop_reason == "eos" and len(turn.calls) == 1  # default: the model ends
     turn = engine.turn(ask, [WEATHER], "required", parallel_tool_calls=True, config=EngineConfig(max_new_tokens=60))
     assert turn.stop_reason != "eos" and turn.text.startswith(one + "<tool_call>")  # asked for several: goes on
+
+
+def test_a_remote_engine_keeps_the_whole_calls_of_a_turn_the_budget_cut(smol_dir):
+    from agent.remote import OpenAIEngine
+
+    calls = [("get_weather", OSLO), ("get_weather", ROME), ("get_weather", {"city": "Paris", "unit": "celsius"})]
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", calls), None)
+    budget = len(gen.tokenizer.encode(call_text("hermes", calls[:2]), add_special_tokens=False)) + 6
+    with ServerThread(create_app(LocalEngine(gen), model_name="scripted")) as url:
+        turn = OpenAIEngine(url, "scripted").turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required",
+                                                  parallel_tool_calls=True,
+                                                  config=EngineConfig(max_new_tokens=budget))
+    assert turn.truncated and [json.loads(c["arguments"])["city"] for c in turn.calls] == ["Oslo", "Rome"]
+
+
+def test_the_repeat_rule_is_checked_on_the_final_text_too(smol_dir, monkeypatch):
+    """A step that ends inside a multi-byte character is not shown to the rule; when it is also the last step (the
+    budget), the final text is checked: the repeat is never returned."""
+    fmt, gen = scripted(smol_dir, "hermes", "", None)
+    text = call_text("hermes", [("get_weather", OSLO), ("get_weather", ROME), ("get_weather", OSLO)]) + "\n<tool_"
+    from decoding import DecodeResult, DecodeStats
+
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: DecodeResult([], text, "length", DecodeStats()))
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required",
+                                 parallel_tool_calls=True)
+    assert turn.stop_reason == "stop" and [c["arguments"]["city"] for c in turn.calls] == ["Oslo", "Rome"]
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_an_explicit_eos_token_id_still_ends_on_every_end_token(smol_dir, drafter):
+    from decoding import decode, speculative_decode
+    from decoding.drafters import ChainDrafter, PromptLookupDrafter, SchemaDrafter
+
+    text = call_text("generic", [("get_weather", OSLO)])
+    fmt, gen = scripted(smol_dir, "generic", text, "<|endoftext|>")
+    prompt = fmt.render([{"role": "user", "content": "Weather in Oslo?"}], [WEATHER])
+    state = gen.new_state(fmt.turn_grammar([WEATHER], "required"))
+    kwargs = dict(max_new_tokens=120, eos_token_id=gen.tokenizer.eos_token_id, tokenizer=gen.tokenizer)
+    if drafter == "none":
+        out = decode(ScriptedLM(gen.loaded), prompt, state, **kwargs)
+    else:
+        out = speculative_decode(ScriptedLM(gen.loaded), prompt, state,
+                                 ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]), **kwargs)
+    assert out.stop_reason == "eos" and out.text == text
