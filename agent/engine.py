@@ -188,8 +188,8 @@ class LocalEngine:
             where, load = model, {"backend": backend or engine, "threads": threads}
         else:  # rebuilt from the loaded model where it pickles, else from its file (llama.cpp: ctypes handles)
             where, load = self.generator.backend.portable(self.generator.loaded)
-            load = {"backend": load.get("backend"), "threads": load.get("threads")}
-        self._spec = (where, draft_model, device, dtype, tool_format, chat_template, load["backend"], load["threads"])
+        self._spec = (where, draft_model, device, dtype, tool_format, chat_template, load.get("backend"),
+                      load.get("threads"))
 
     @property
     def call_start_chars(self) -> str:

@@ -124,9 +124,8 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
         except (ModelNotFoundError, FileNotFoundError, NotImplementedError, MTPError) as e:
             skipped[m] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - optional modes (mtp/draft_model/llama.cpp) may fail to load
-            optional = m in PEER_MODES or (m in our_modes() and (our_modes()[m][1] in ("mtp", "draft_model")
-                                                                  or our_modes()[m][0] != backend_of(loaded).name))
-            if optional:
+            backend, drafter = our_modes().get(m, (None, None))
+            if m in PEER_MODES or drafter in ("mtp", "draft_model") or backend not in (None, backend_of(loaded).name):
                 skipped[m] = f"{type(e).__name__}: {e}"
             else:
                 raise

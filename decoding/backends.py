@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from .llamacpp import LlamaCppModel, available as llamacpp_available, gguf_of, load_llamacpp
-from .loader import LoadedModel, ModelNotFoundError, load_model
+from .loader import LoadedModel, ModelNotFoundError, check_threads, load_model
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
@@ -156,9 +156,8 @@ class Backend:
 
 
 def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+    check_threads(threads)
     if threads is not None:  # torch's intra-op threads are per process
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         torch.set_num_threads(threads)
     return load_model(spec, device=device, dtype=dtype)
 

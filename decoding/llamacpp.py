@@ -47,8 +47,8 @@ import torch
 
 from schemas.errors import SpecAgentError
 
-from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, end_of_generation_ids,
-                     locate_gguf, sha256_file)
+from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, check_threads,
+                     end_of_generation_ids, locate_gguf, sha256_file)
 
 INSTALL = ('make setup-llamacpp (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36; '
            "builds from source, ~10 min on 2 cores)")
@@ -185,8 +185,7 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
             after rejected draft tokens).
         RuntimeError: llama.cpp failed to load the file.
     """
-    if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 1):
-        raise ValueError(f"threads must be an integer >= 1, got {n_threads!r}")
+    check_threads(n_threads)
     llama_cpp = _llama_cpp()
     path, name, sha = gguf_of(spec)
     tok = gguf_tokenizer(path, sha)

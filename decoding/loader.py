@@ -138,6 +138,12 @@ def end_of_generation_ids(tokenizer, declared=()) -> frozenset[int]:
     return frozenset(ids)
 
 
+def check_threads(threads: int | None) -> None:
+    """Raise ``ValueError`` unless ``threads`` is None (the backend's default) or an integer >= 1."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPECAGENT_CACHE", Path.home() / ".cache" / "specagent"))
 

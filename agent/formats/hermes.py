@@ -75,7 +75,7 @@ class HermesFormat(ToolFormat):
         if not self.is_call(text):
             return None, text
         s = text.strip()
-        bodies = _BLOCK.findall(s) if s.startswith(OPEN) else _bare_objects(s)
+        bodies = _BLOCK.findall(s) if s.startswith(OPEN) else [obj for obj, _ in _bare_objects(s)]
         if not bodies:
             raise ValueError(f"no complete {OPEN} block in {text[:80]!r}")
         calls = []
@@ -84,13 +84,12 @@ class HermesFormat(ToolFormat):
             calls.append({"name": obj["name"], "arguments": obj["arguments"]})
         return calls, ""
 
-
     def complete_calls(self, text: str) -> list[tuple[dict, int]]:
         s = text.lstrip()
         if s.startswith(OPEN):
             found = ((m.group(1), m.end()) for m in _BLOCK.finditer(text))
         elif s.startswith('{"name"'):
-            found = _bare_objects_at(text, len(text) - len(s))
+            found = _bare_objects(text, len(text) - len(s), whole=False)
         else:
             return []
         out = []
@@ -103,27 +102,19 @@ class HermesFormat(ToolFormat):
         return out
 
 
-def _bare_objects_at(text: str, i: int) -> list[tuple[dict, int]]:
-    """The complete JSON objects of ``text`` from offset ``i`` on, one after another (whitespace between), each with
-    the offset just past it; stops at the first incomplete one."""
+def _bare_objects(text: str, i: int = 0, *, whole: bool = True) -> list[tuple[dict, int]]:
+    """The JSON objects of ``text`` from offset ``i`` on, written one after another (whitespace between), each with
+    the offset just past it. ``whole``: the rest of ``text`` must be such objects (``ValueError`` otherwise); else the
+    list stops at the first incomplete one (a turn cut mid-call)."""
     decoder, out = json.JSONDecoder(), []
     while i < len(text):
         try:
             obj, i = decoder.raw_decode(text, i)
         except ValueError:
+            if whole:
+                raise
             break
         out.append((obj, i))
-        while i < len(text) and text[i].isspace():
-            i += 1
-    return out
-
-
-def _bare_objects(text: str) -> list[dict]:
-    """The JSON objects of ``text`` written one after another (whitespace between)."""
-    decoder, out, i = json.JSONDecoder(), [], 0
-    while i < len(text):
-        obj, i = decoder.raw_decode(text, i)
-        out.append(obj)
         while i < len(text) and text[i].isspace():
             i += 1
     return out
