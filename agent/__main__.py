@@ -176,7 +176,7 @@ def cmd_bfcl(args) -> int:
         args.max_decimals = MAX_DECIMALS
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
-    config = _config(args)
+    config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?
 
     runtimes = args.runtime.split(",")
     if any(r not in RUNTIMES for r in runtimes):

@@ -41,6 +41,9 @@ class EngineConfig:
         max_new_tokens: output budget of one turn (tokens).
         max_parallel_calls: the most calls one several-call turn returns (:class:`ParallelCallsEnd`: the turn
             also ends at the first call that repeats an earlier one).
+        count_masked_ends: for a turn cut by the budget, replay it once more (one teacher-forced forward) and count
+            in ``stats.masked_end_argmax`` the positions where the model's argmax was an end-of-generation token the
+            grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -55,6 +58,7 @@ class EngineConfig:
     seed: int | None = None
     max_new_tokens: int = 256
     max_parallel_calls: int = DEFAULT_MAX_PARALLEL_CALLS
+    count_masked_ends: bool = False
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -234,6 +238,8 @@ class LocalEngine:
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
             stop = "grammar"  # every call is whole (another could have followed): nothing was cut
+        if stop == "length" and config.count_masked_ends:
+            out.stats.masked_end_argmax = len(self.generator.masked_end_argmax(ids, out.tokens, grammar))
         if stop != "length":
             calls = self.format.parse(text)[0] if is_call else None
         else:  # cut by the budget: the whole calls before the cut one (several-call turns), never the cut one

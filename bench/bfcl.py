@@ -463,9 +463,15 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         turns that finished (not cut by the budget) and whose calls all parse and validate (for irrelevance, a
         text answer counts too, cut or not); ``accuracy`` = share matching the ground truth (irrelevance: share
         answered without a call); ``truncated`` = turns cut by the budget (irrelevance: at
-        ``IRRELEVANCE_MAX_NEW_TOKENS``, text answers included); ``checker`` = ``"official"`` (BFCL's
+        ``IRRELEVANCE_MAX_NEW_TOKENS``, text answers included); ``cut_masked_end`` = of those, the turns where
+        the model's argmax was an end-of-generation token the grammar forbade (None: not counted, i.e. the agents'
+        ``EngineConfig.count_masked_ends`` is off, or no grammar); ``checker`` = ``"official"`` (BFCL's
         ``ast_checker``, ``bench/bfcl_checker.py``) or ``"ours"`` (:func:`score`, when bfcl-eval is not installed);
-        ``runtime`` and ``parser`` (how calls were read from the text).
+        ``runtime`` and ``parser`` (how calls were read from the text); ``time_to_valid_call_{cold,warm}_p{50,95}``
+        (s): prefill + decode of the turn, over the questions answered with valid calls: *warm* where the previous
+        question had the same tools (the system prompt and tool list come from the prefix cache), *cold* otherwise
+        (``warm_questions`` counts the warm ones); ``prefill_tokens_per_s``: prompt tokens not found in the cache
+        per second of prefill.
     """
     from constraints import GrammarError
     from schemas.errors import SchemaError
@@ -474,13 +480,17 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         raise ValueError(f"unknown BFCL category {category!r}; choose one of {', '.join(CATEGORIES)}")
     irrelevance = is_irrelevance(category)
     rows = load_questions(category, data_dir, limit, split)
-    n_valid = n_correct = n_truncated = rows_failed = 0
+    n_valid = n_correct = n_truncated = rows_failed = cut_masked_end = 0
     total_stats = None
     parser = None
     t0 = time.perf_counter()
+    counted_masked_ends = False
+    call_seconds = {"cold": [], "warm": []}  # per question answered with valid calls: prefill + decode (s)
+    previous_tools = None
     for row in rows:
         turn = bfcl_turn(row, category)
         agent = agent_factory(turn.tools)
+        counted_masked_ends = runtime == "ours" and getattr(agent.config, "count_masked_ends", False)
         try:
             res = agent.run(turn.messages, tool_choice=turn.tool_choice, max_steps=1,
                             parallel_tool_calls=turn.parallel, drafter=drafter,
@@ -492,21 +502,32 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
             continue
         text = res.raw_turns[-1] if res.raw_turns else ""
         n_truncated += res.truncated
+        cut_masked_end += bool(res.truncated and res.stats.masked_end_argmax)
         valid, correct = turn.judge(text, res.truncated, agent.registry, agent.format)
         parser = getattr(agent.format, "name", None)
         n_valid += valid
         n_correct += correct
         total_stats = res.stats if total_stats is None else total_stats + res.stats
+        if valid and not is_irrelevance(category):  # warm: the previous question had the same tools
+            call_seconds["warm" if row["function"] == previous_tools else "cold"].append(res.stats.seconds)
+        previous_tools = row["function"]
         out(f"{row['id']}\t{int(valid)}\t{int(correct)}\t{json.dumps(text, ensure_ascii=False)}")
     n = len(rows)
     s = total_stats
     summary = {"category": category, "split": split or "all", "n": n, "valid": n_valid / n if n else 0.0,
-               "accuracy": n_correct / n if n else 0.0, "truncated": n_truncated, "errors": rows_failed,
+               "accuracy": n_correct / n if n else 0.0, "truncated": n_truncated,
+               "cut_masked_end": cut_masked_end if counted_masked_ends else None,
+               "errors": rows_failed,
                "tokens_per_s": round(s.tokens_per_s, 2) if s else 0.0,
                "tokens_per_forward": round(s.tokens_per_forward, 3) if s else 0.0,
                "acceptance_rate": round(s.acceptance_rate, 3) if s else 0.0,
                "acceptance_by_position": [round(a, 3) for a in s.acceptance_by_position[:8]] if s else [],
                "forced_share": round(s.forced / s.new_tokens, 3) if s and s.new_tokens else 0.0,
+               **{f"time_to_valid_call_{kind}_p{q}": _percentile(call_seconds[kind], q)
+                  for kind in ("cold", "warm") for q in (50, 95)},
+               "warm_questions": len(call_seconds["warm"]),
+               "prefill_tokens_per_s": round((s.prompt_tokens - s.prompt_tokens_cached) / s.prefill_seconds, 1)
+               if s and s.prefill_seconds else 0.0,
                "seconds": round(time.perf_counter() - t0, 1), "checker": checker_name(), "runtime": runtime,
                "parser": parser}
     out(json.dumps(summary))
@@ -516,13 +537,26 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
 def summary_table(summaries: list[dict]) -> str:
     """A Markdown table of per-category summaries (accuracy, valid, cut by the budget, tokens/s), one row per
     category and runtime (ours vs parse-only side by side when both ran), and the checker that scored them."""
-    lines = ["| category | runtime | split | n | accuracy | valid | cut | tokens/s | checker |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| category | runtime | split | n | accuracy | valid | cut | cut, end masked | tokens/s "
+             "| valid call p50 s cold / warm | checker |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         runtime = s.get("runtime", "ours")
         if "error" in s:
-            lines.append(f"| {s['category']} | {runtime} | {s['split']} | – | – | – | – | – | {s['error']} |")
+            lines.append(f"| {s['category']} | {runtime} | {s['split']} | – | – | – | – | – | – | – | {s['error']} |")
             continue
         lines.append(f"| {s['category']} | {runtime} | {s['split']} | {s['n']} | {s['accuracy']:.3f} | "
-                     f"{s['valid']:.3f} | {s['truncated']} | {s['tokens_per_s']:.1f} | {s.get('checker', '')} |")
+                     f"{s['valid']:.3f} | {s['truncated']} | {_or_dash(s.get('cut_masked_end'))} | "
+                     f"{s['tokens_per_s']:.1f} | {_or_dash(s.get('time_to_valid_call_cold_p50'))} / "
+                     f"{_or_dash(s.get('time_to_valid_call_warm_p50'))} | {s.get('checker', '')} |")
     return "\n".join(lines)
+
+
+def _or_dash(value) -> str:
+    return "–" if value is None else str(value)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (numpy's linear interpolation) of ``values`` rounded to ms, None when empty."""
+    import numpy as np
+
+    return round(float(np.percentile(values, q)), 3) if values else None

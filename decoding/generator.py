@@ -17,11 +17,13 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from constraints import ConstraintState, Grammar, llg_tokenizer
+import torch
+
+from constraints import ConstraintState, Grammar, is_allowed_row, llg_tokenizer
 from schemas.errors import SpecAgentError
 
 from .backends import BACKENDS, Backend, backend_name, backend_of
-from .decoder import decode
+from .decoder import decode, prefill
 from .drafters import Drafter
 from .loader import DEFAULT_MODEL, LoadedModel, load_model
 from .model import check_cache
@@ -31,7 +33,7 @@ from .registry import AUTO, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS,
     check_drafter
 from .sampling import SamplingParams
 from .speculative import speculative_decode
-from .stats import DecodeResult
+from .stats import DecodeResult, DecodeStats
 
 __all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
 
@@ -94,6 +96,7 @@ class Generator:
         self._auto: str | None = None  # what ``auto`` resolved to (once per generator)
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
+        self.batcher = None  # a decoding.batch.BatchScheduler once enable_batching was called
 
     @property
     def engine(self) -> str:
@@ -171,6 +174,33 @@ class Generator:
             self._auto = choice
         return self._auto
 
+    def enable_batching(self, max_batch: int, *, seq_ctx: int | None = None, max_rows: int | None = None):
+        """Decode every later :meth:`generate` call (from any number of threads) through one continuous-batching
+        scheduler (:class:`decoding.batch.BatchScheduler`, llama.cpp backend): up to ``max_batch`` sequences verified
+        in one ``llama_decode`` per step, ``seq_ctx`` KV positions each (:attr:`context_length` becomes that),
+        ``max_rows`` tokens per step. Returns the scheduler.
+
+        Raises:
+            ValueError: not the llama.cpp backend, batching already enabled, or a size below 1.
+        """
+        from .batch import DEFAULT_MAX_ROWS, BatchScheduler
+
+        if self.backend.name != "llamacpp":
+            raise ValueError(f"continuous batching runs on the llama.cpp backend, not {self.backend.name!r}")
+        if self.batcher is not None:
+            raise ValueError("batching is already enabled on this generator")
+        self.batcher = BatchScheduler(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
+                                      max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows)
+        return self.batcher
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions one decode may hold (prompt + new tokens): the model's context, or with batching enabled one
+        sequence's KV cache (``seq_ctx``)."""
+        if self.batcher is not None:
+            return self.batcher.seq_ctx
+        return self.loaded.context_length
+
     def new_target(self):
         """A fresh KV-cached forward wrapper of the target for one decode (a
         :class:`decoding.backends.TargetModel` from the backend's row)."""
@@ -180,6 +210,36 @@ class Generator:
         """A fresh drafter for mode ``name`` from :data:`decoding.registry.DRAFTERS` (None for ``none`` /
         ``forced``). Raises ``ValueError`` for an unknown name."""
         return registry.make_drafter(name, self)
+
+    def masked_end_argmax(self, prompt: list[int], tokens: list[int], grammar: Grammar, *,
+                          chunk: int = 64) -> list[int]:
+        """Positions where the model wanted to end and the grammar forbade it: the indices ``j`` of ``tokens`` (an
+        output decoded after ``prompt`` under ``grammar``) where the target's *unmasked* argmax is one of its
+        end-of-generation tokens (``eog_token_ids``) and the grammar's mask at ``j`` forbids it.
+
+        A diagnostic for turns cut by the budget (``EngineConfig.count_masked_ends``): a non-empty list means the
+        grammar kept the model going past where it would have stopped. One teacher-forced replay: the prompt, then
+        ``tokens`` in chunks of ``chunk`` positions (logits ``float32 [chunk, V]`` each); the prompt's prefix still in
+        the backend's KV cache is reused, as by a decode.
+
+        Raises:
+            ConstraintError: ``tokens`` is not an output the grammar allows.
+        """
+        if not tokens:
+            return []
+        state = self.new_state(grammar)
+        target = self.new_target()
+        fed = [prefill(target, list(prompt), DecodeStats())] + tokens[:-1]  # logits of fed[j] decide tokens[j]
+        argmax = torch.cat([target.forward(fed[a:a + chunk])[0].argmax(dim=-1)
+                            for a in range(0, len(fed), chunk)]).tolist()
+        found = []
+        for j, tok in enumerate(tokens):
+            if argmax[j] in self.eog_token_ids and not is_allowed_row(state.next_mask(), argmax[j]):
+                found.append(j)
+            if tok in self.eog_token_ids:
+                break
+            state.consume(tok)
+        return found
 
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
@@ -202,7 +262,7 @@ class Generator:
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        limit = self.loaded.context_length
+        limit = self.context_length
         if limit is not None:
             if len(prompt) >= limit:
                 raise ContextLengthError(f"the prompt is {len(prompt)} tokens; {self.loaded.name} takes at most "
@@ -214,7 +274,14 @@ class Generator:
         self.check_supported(mode)
         target = self.new_target()
         on_step = None if on_text is None and stop_when is None else _TextDeltas(self.tokenizer, on_text, stop_when)
-        if mode == "none":
+        if self.batcher is not None:  # continuous batching: the same step, verified with the other sequences'
+            result = self.batcher.decode(
+                prompt, state, None if mode == "none" else self.make_drafter(mode),
+                num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+                max_new_tokens=max_new_tokens, sampling=sampling, tokenizer=self.tokenizer, on_step=on_step,
+                adaptive=self.adaptive if adaptive is None else adaptive,
+                **({"max_window": 0} if mode == "none" else {}))  # none: one token per forward
+        elif mode == "none":
             result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
                             tokenizer=self.tokenizer, on_step=on_step)
         else:

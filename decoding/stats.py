@@ -20,6 +20,8 @@ class DecodeStats:
         accepted: drafted tokens the target accepted.
         forced: schema-forced tokens (the mask allowed exactly one token), accepted without a drafter call.
         drafted_by_position / accepted_by_position: per draft position in the window (0 = first drafted token).
+        masked_end_argmax: positions where the model's unmasked argmax was an end-of-generation token the grammar
+            forbade (counted only for turns cut by the budget, when asked: ``EngineConfig.count_masked_ends``).
         seconds: wall time of the decode (s), prefill included; ``prefill_seconds`` (the target's prompt forward,
             and an MTP head's pass over the prompt), ``draft_seconds``, ``verify_seconds``, ``mask_seconds`` split it
             (mask time is also inside draft time).
@@ -32,6 +34,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     forced: int = 0
+    masked_end_argmax: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     seconds: float = 0.0

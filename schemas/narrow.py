@@ -1,6 +1,6 @@
 """Narrowing a JSON Schema for the grammar: a copy whose language is a subset of the original's, so every output
 the grammar allows still validates against the original schema (validation always uses the original): closed
-objects, bounded scalars, calendar-valid dates.
+objects, bounded scalars, calendar-valid dates, date/time formats stated in descriptions.
 
 These are pure JSON Schema → JSON Schema transformations, so they live in ``schemas/`` (no grammar engine needed).
 The grammar may enforce a *subset* of what a schema allows, but it must never turn a satisfiable schema into an
@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import decimal
 import functools
+import re
 from typing import Any, Callable
 
 from .check import resolve_local_ref, walk
@@ -263,11 +264,85 @@ def calendar_dates(schema: Any) -> Any:
     return schema
 
 
+# -- formats stated in descriptions ---------------------------------------------------------------------------------
+# "in the format 'YYYY-MM-DD'", "formatted as 'MM/DD/YYYY'", "in ISO 8601 format 'YYYY-MM-DDTHH:MM:SS'"
+_STATED = re.compile(r"""(?:\b(?:in|with)\s+(?:the\s+)?(?:[\w-]+\s+){0,3}?format(?:\s+of)?|\bformatted\s+as)\s*:?\s*"""
+                     r"""(['"`])([^'"`]+)\1|\b(?:in|as)\s+(['"`])([^'"`]+)\3\s+format""", re.IGNORECASE)
+_PLACEHOLDER = re.compile(r"YYYY|YY|MM|DD|HH|SS|\s+to\s+|[-/:. T,]", re.IGNORECASE)
+_PLACEHOLDER_REGEX = {"yyyy": "[0-9]{4}", "yy": "[0-9]{2}", "mm": "(?:0[1-9]|1[0-2])",
+                      "dd": "(?:0[1-9]|[12][0-9]|3[01])", "hh": "(?:[01][0-9]|2[0-3])", "ss": "[0-5][0-9]"}
+
+
+def stated_format_pattern(description: str) -> str | None:
+    """The ``pattern`` of a date/time format a description states, or None.
+
+    Rule (general, never per tool): the description says ``in the format 'F'`` / ``format of 'F'`` / ``formatted
+    as 'F'`` / ``in 'F' format`` (any quotes) and ``F`` is made only of the placeholders ``YYYY YY MM DD HH SS`` (any case; ``MM`` after
+    ``HH:`` is minutes), separators ``- / : . , T`` and spaces, and `` to `` (a range), with at least two
+    placeholders; e.g. ``'MM/DD/YYYY'`` → ``^(?:0[1-9]|1[0-2])/(?:0[1-9]|[12][0-9]|3[01])/[0-9]{4}$``. Exactly one
+    such format must be stated (two different ones, or ``… or 'today'``, give None); a description that merely
+    shows a format as an example (``such as 'MM/DD/YYYY'``, e.g. for a parameter whose value *is* a format) is not
+    matched.
+    """
+    found = {m.group(2) or m.group(4) for m in _STATED.finditer(description or "")}
+    formats = [f for f in found if _placeholders(f) is not None]
+    if len(formats) != 1 or re.search(r"\bor\s+['\"`]", description):
+        return None
+    return _placeholders(formats[0])
+
+
+def _placeholders(text: str) -> str | None:
+    parts, pos, count, previous = [], 0, 0, ""
+    for m in _PLACEHOLDER.finditer(text):
+        if m.start() != pos:
+            return None
+        piece = m.group(0)
+        key = piece.lower()
+        if key in _PLACEHOLDER_REGEX:
+            count += 1
+            minutes = key == "mm" and previous.lower().endswith("hh:")
+            parts.append("[0-5][0-9]" if minutes else _PLACEHOLDER_REGEX[key])
+        elif piece.strip().lower() == "to":
+            parts.append(" to ")
+        else:
+            parts.append(piece.replace(".", r"\."))
+        previous += piece
+        pos = m.end()
+    if pos != len(text) or count < 2:
+        return None
+    return "^" + "".join(parts) + "$"
+
+
+def stated_formats(schema: Any) -> Any:
+    """A copy of ``schema`` where each string that sets no ``pattern``/``format``/``enum``/``const`` and whose
+    description states a date/time format (:func:`stated_format_pattern`) takes that format as its ``pattern``
+    (for the grammar only; a string ``default`` the pattern would refuse leaves the node alone). Returned as is
+    when nothing applies."""
+    hits = [node for _, node in walk(schema) if _stated_applies(node)]
+    if not hits:
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        if _stated_applies(node):
+            node["pattern"] = stated_format_pattern(node["description"])
+    return schema
+
+
+def _stated_applies(node: Any) -> bool:
+    if not isinstance(node, dict) or node.get("type") != "string" or not isinstance(node.get("description"), str) \
+            or any(k in node for k in ("pattern", "format", "enum", "const")):
+        return False
+    pattern = stated_format_pattern(node["description"])
+    default = node.get("default")
+    return pattern is not None and (not isinstance(default, str) or re.fullmatch(pattern[1:-1], default) is not None)
+
+
 # -- the grammar's schema ------------------------------------------------------------------------------------------
 def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
                        max_decimals: int | None = None,
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
-    """The schema the grammar enforces for ``schema``: closed objects, then bounded scalars (when asked).
+    """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
+    (:func:`stated_formats`), then bounded scalars (when asked).
 
     Args:
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
@@ -276,7 +351,7 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
             dropped, never the tool. None: the steps are kept as built (they are satisfiable by construction).
     """
     out = schema
-    steps = [close_objects]
+    steps = [close_objects, stated_formats]
     if max_string_length is not None or max_decimals is not None:
         steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
     for step in steps:

@@ -310,3 +310,37 @@ def test_run_bfcl_reports_the_checker_and_the_runtime(tmp_path, smol_tokenizer):
     assert (s["checker"], s["runtime"], s["accuracy"], s["valid"]) == ("official", "parse-only", 1.0, 1.0)
     assert s["parser"].startswith("hermes")
     assert "| simple_java | parse-only |" in summary_table([s])
+
+
+def test_run_bfcl_times_valid_calls_cold_and_warm_and_counts_masked_ends_of_cut_turns(tmp_path):
+    """Warm = the previous question had the same tools; a cut turn whose end the grammar masked is counted."""
+    from types import SimpleNamespace
+
+    from bench.bfcl import run_bfcl
+    from decoding import DecodeStats
+    from schemas import ToolRegistry
+
+    rows = load_questions("simple_python", DATA, limit=3)
+    rows = [rows[0], {**rows[1], "function": rows[0]["function"], "ground_truth": rows[0]["ground_truth"]}, rows[2]]
+    (tmp_path / "BFCL_v4_simple_python.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    seconds = iter([1.0, 0.25, 2.0])
+
+    class FakeAgent:
+        format = HermesToolParser()
+        config = SimpleNamespace(count_masked_ends=True)
+
+        def __init__(self, tools):
+            self.registry = ToolRegistry(tools, strict=False)
+
+        def run(self, messages, **kwargs):
+            row = next(r for r in rows if r["question"][0] == [messages[-1]] or
+                       r["question"][0][-1]["content"] == messages[-1]["content"])
+            if row is rows[2]:  # cut by the budget where the model wanted to end
+                return SimpleNamespace(raw_turns=["<tool_call>\n{"], truncated=True,
+                                       stats=DecodeStats(seconds=next(seconds), masked_end_argmax=3))
+            text = "<tool_call>\n" + json.dumps(written_calls(row, "simple_python")[0]) + "\n</tool_call>"
+            return SimpleNamespace(raw_turns=[text], truncated=False, stats=DecodeStats(seconds=next(seconds)))
+
+    s = run_bfcl(FakeAgent, "simple_python", data_dir=tmp_path, out=lambda s: None)
+    assert (s["truncated"], s["cut_masked_end"], s["warm_questions"]) == (1, 1, 1)
+    assert (s["time_to_valid_call_cold_p50"], s["time_to_valid_call_warm_p50"]) == (1.0, 0.25)

@@ -147,15 +147,21 @@ def test_prompt_longer_than_the_context_is_refused(cpp):
         gen.generate([1] * 2048, turn_grammar([], "none", parallel=False), max_new_tokens=4)
 
 
-def test_verify_rows_equal_one_row_forwards_in_the_batch_invariant_setting(cpp1):
-    """One thread, no weight repacking: a row's logits in a k-row verify batch are bit-identical to the same
-    position fed alone — what makes speculative greedy token-identical on this engine (measured: with 2 threads
-    or repacking they differ by up to ~1 logit and near-ties flip)."""
+@pytest.mark.parametrize("rows", [5, 33], ids=["5-rows", "33-rows"])
+def test_verify_rows_equal_one_row_forwards_in_the_batch_invariant_setting(cpp1, rows):
+    """One thread, no weight repacking (the identity configuration): a row's logits in a k-row verify batch are
+    bit-identical to the same position fed alone — what makes speculative greedy token-identical on this engine —
+    up to the largest verify the decoder sends (``max_window`` 32 drafts + the current token = 33 rows). Measured:
+    with 2 threads or repacking they differ by up to ~1 logit and near-ties flip."""
+    from decoding.speculative import speculative_decode
+    import inspect
+
+    assert rows <= inspect.signature(speculative_decode).parameters["max_window"].default + 1
     lm = cpp1.new_lm()
     lm.reset()
     prompt = list(range(300, 420))
     lm.forward(prompt, num_logits=1)
-    window = [11, 2000, 345, 7, 999]
+    window = [11, 2000, 345, 7, 999, *range(5000, 5028)][:rows]
     batched, _ = lm.forward(window)
     lm.crop(len(prompt))
     alone = torch.cat([lm.forward([t])[0] for t in window])

@@ -253,3 +253,27 @@ def test_an_explicit_eos_token_id_still_ends_on_every_end_token(smol_dir, drafte
         out = speculative_decode(ScriptedLM(gen.loaded), prompt, state,
                                  ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]), **kwargs)
     assert out.stop_reason == "eos" and out.text == text
+
+
+def test_a_cut_turn_counts_the_positions_where_the_grammar_masked_the_models_end(smol_dir):
+    """``count_masked_ends``: a turn the grammar kept going (two calls asked for, the model ends after one) records
+    where its argmax was an end token the mask forbade; a turn cut while the model was still writing records none."""
+    text = call_text("hermes", [("get_weather", OSLO)]) + "\n"
+    fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
+    engine = LocalEngine(gen)
+    messages = [{"role": "user", "content": "Weather in Oslo and Rome?"}]
+    config = EngineConfig(drafter="none", max_new_tokens=len(gen.tokenizer.encode(text)) + 6, count_masked_ends=True)
+    turn = engine.turn(messages, [WEATHER], "required", parallel_tool_calls=True, config=config)
+    grammar = fmt.turn_grammar([WEATHER], "required", parallel=True)
+    ids = fmt.render(messages, [WEATHER])
+    out = gen.tokenizer.encode(turn.text, add_special_tokens=False)
+    where = gen.masked_end_argmax(ids, out, grammar)  # past its script the model's ties go to token 0, an end token
+    assert where[0] == len(gen.tokenizer.encode(text, add_special_tokens=False)), (where, turn.text)
+    assert turn.stop_reason == "length" and turn.stats.masked_end_argmax == len(where) >= 1, turn.text
+    off = engine.turn(messages, [WEATHER], "required", parallel_tool_calls=True,
+                      config=dataclasses.replace(config, count_masked_ends=False))
+    assert off.stop_reason == "length" and off.stats.masked_end_argmax == 0
+
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("get_weather", ROME)]), "<|endoftext|>")
+    cut = LocalEngine(gen).turn(messages, [WEATHER], "required", config=dataclasses.replace(config, max_new_tokens=5))
+    assert cut.stop_reason == "length" and cut.stats.masked_end_argmax == 0

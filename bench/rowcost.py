@@ -1,0 +1,125 @@
+"""What a verify of n rows costs on llama.cpp's CPU kernels: ``python -m bench.rowcost``.
+
+For a GGUF (an alias of ``decoding.loader.KNOWN_MODELS`` or a path), by weight type (``shipped``; ``q4_0`` / ``q8_0``
+re-quantised by llama.cpp's own quantizer, cached by sha256 beside the shipped file), threads and weight repacking
+(llama.cpp's ``use_extra_bufts``), one ``llama_decode`` of n = 1 … 32 rows after a ``--prompt-tokens`` prompt, logits
+for every row, median of ``--repeat`` runs (the KV cache is cropped back to the prompt after each). Prints, per
+configuration, the 1-row time (ms), the cost of n rows as a multiple of it, and batch invariance: the largest
+absolute difference between row 0's logits in the n-row batch and the same row alone (0 = bit-identical: the greedy
+identity of speculative and one-token-per-forward decoding holds up to that n).
+
+Example (the issue's table): ``python -m bench.rowcost --model qwen2.5-coder-0.5b --threads 1,2 --weights
+shipped,q4_0,q8_0 --repack off,on``. Writes ``--out`` (JSON) when given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
+QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def requantized(spec: str, weight: str) -> Path:
+    """The GGUF of ``spec`` with its weights re-quantised to ``weight`` (``q4_0`` / ``q8_0``) by llama.cpp's
+    quantizer (``llama_model_quantize``, ``allow_requantize``), cached as ``<cache>/gguf/<sha256[:16]>.<weight>.gguf``.
+
+    Raises:
+        ValueError: unknown ``weight``. RuntimeError: the quantizer failed.
+    """
+    from decoding.llamacpp import gguf_of
+    from decoding.loader import cache_root
+
+    import llama_cpp
+
+    if weight not in QUANT_TYPES:
+        raise ValueError(f"--weights {weight!r}: choose shipped or one of {', '.join(QUANT_TYPES)}")
+    path, _, sha = gguf_of(spec)
+    out = cache_root() / "gguf" / f"{sha[:16]}.{weight}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, QUANT_TYPES[weight])
+        params.allow_requantize = True
+        tmp = out.with_suffix(".tmp")
+        rc = llama_cpp.llama_model_quantize(str(path).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({path} -> {weight}) failed with code {rc}")
+        tmp.rename(out)
+    return out
+
+
+def measure(spec: str, *, threads: int, repack: bool, rows=DEFAULT_ROWS, prompt_tokens: int = 300,
+            repeat: int = 7) -> dict:
+    """One configuration: ``{"ms_1_row", "cost": {n: multiple of 1 row}, "max_abs_diff": {n: float}}``."""
+    import numpy as np
+
+    from decoding.llamacpp import load_llamacpp
+
+    loaded = load_llamacpp(spec, n_threads=threads, repack=repack, n_ctx=prompt_tokens + max(rows) + 8)
+    text = "def add(a, b):\n    return a + b\n" * (prompt_tokens // 8 + 1)
+    prompt = loaded.tokenizer.encode(text, add_special_tokens=False)[:prompt_tokens]
+    rng = np.random.default_rng(0)
+    window = [int(t) for t in rng.integers(100, min(loaded.vocab_size, 30000), size=max(rows))]
+    lm = loaded.new_lm()
+    lm.reset()
+    lm.forward(prompt, num_logits=1)
+    base = lm.length
+    alone = None
+    ms, diff = {}, {}
+    for n in rows:
+        times = []
+        for _ in range(repeat + 1):  # the first run warms the kernels for this n
+            t0 = time.perf_counter()
+            logits, _ = lm.forward(window[:n])
+            times.append(time.perf_counter() - t0)
+            lm.crop(base)
+        if alone is None:
+            alone = logits[0].clone()
+        ms[n] = statistics.median(times[1:]) * 1000
+        diff[n] = float((logits[0] - alone).abs().max())
+    return {"ms_1_row": round(ms[rows[0]], 2), "cost": {n: round(ms[n] / ms[rows[0]], 2) for n in rows},
+            "max_abs_diff": diff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.rowcost", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="alias or .gguf path")
+    ap.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
+    ap.add_argument("--weights", default="shipped", help="comma-separated: shipped, q4_0, q8_0")
+    ap.add_argument("--repack", default="off", help="comma-separated: off, on")
+    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    rows = tuple(int(r) for r in args.rows.split(","))
+    if rows[0] != 1:
+        raise SystemExit("--rows must start with 1 (the unit of the cost)")
+    results = []
+    header = "| weights | threads | repack | 1 row ms | " + " | ".join(f"{n} rows" for n in rows[1:]) + \
+             " | row 0 in the batch vs alone |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for weight in args.weights.split(","):
+        spec = args.model if weight == "shipped" else str(requantized(args.model, weight))
+        for threads in (int(t) for t in args.threads.split(",")):
+            for repack in (r == "on" for r in args.repack.split(",")):
+                r = measure(spec, threads=threads, repack=repack, rows=rows, prompt_tokens=args.prompt_tokens,
+                            repeat=args.repeat)
+                flips = [n for n in rows if r["max_abs_diff"][n] > 0]
+                same = "bit-identical at every n" if not flips else \
+                    f"differs ({max(r['max_abs_diff'].values()):.2g}) from {flips[0]} rows on"
+                print(f"| {weight} | {threads} | {'on' if repack else 'off'} | {r['ms_1_row']:.1f} | "
+                      + " | ".join(f"{r['cost'][n]:.2f}×" for n in rows[1:]) + f" | {same} |", flush=True)
+                results.append({"model": args.model, "weights": weight, "threads": threads, "repack": repack, **r})
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
