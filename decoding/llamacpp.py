@@ -9,8 +9,10 @@ rows, Leviathan acceptance and rollback run exactly as with the torch backend (`
   ``n`` of them only (``logit_rows=[…]``: for those rows; the batch's per-token ``logits`` flags, not
   ``logits_all``, which would keep logits for the whole context), read back in one copy from ``llama_get_logits``
   (``float32 [n, V]``);
-* ``crop(length)`` is ``llama_memory_seq_rm(mem, 0, length, -1)``: the KV cache drops every position from
-  ``length`` on (O(1) bookkeeping in llama.cpp's unified cache);
+* ``crop(length)`` is ``llama_memory_seq_rm(mem, seq, length, -1)``: the KV cache of the active slot drops every
+  position from ``length`` on (O(1) bookkeeping in llama.cpp's cache);
+* each thread's context keeps two cached sequences (slots) for the prefix cache, chosen per prompt as llama.cpp's
+  server chooses a slot (:class:`_Context`), so an agent's answer turn does not evict the tools of the next question;
 * the Hugging Face tokenizer read from the same GGUF renders the chat template and builds the grammar tokenizer, as
   on the torch backend, so one grammar means the same on both engines (token ids are the GGUF's: llama.cpp's own
   tokenizer gives the same ids, tested). ``llguidance.llamacpp.lltokenizer_from_vocab`` is not used: it marks
@@ -215,35 +217,75 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
     return loaded
 
 
-class _Context:
-    """One llama.cpp context (KV cache for sequence 0) and its reusable batch; owned by one thread."""
+PREFIX_SLOTS = 2  # cached sequences per thread's context (llama.cpp server's slots, for the prefix cache)
+SLOT_SIMILARITY = 0.5  # llama.cpp server's --slot-prompt-similarity: below it, a prompt takes the least recent slot
 
-    def __init__(self, model: LlamaCppModel):
+
+class _Context:
+    """One llama.cpp context and its reusable batch; owned by one thread.
+
+    It holds :data:`PREFIX_SLOTS` cached sequences (seq_id ``0 …``), each with its own KV stream of ``n_ctx``
+    positions (``kv_unified=False``: a slot's cells are laid out as in a one-sequence context, so its rows are what a
+    one-sequence context computes). One slot is active at a time; :meth:`select` picks it for a new prompt the way
+    llama.cpp's server picks a slot: the slot whose cached tokens share the longest prefix with the prompt, unless
+    that prefix is under :data:`SLOT_SIMILARITY` of what the slot holds — then the least recently used slot. So an
+    agent's answer turn (rendered with another system prompt) does not evict the system prompt and tool list that
+    the next question reuses.
+    """
+
+    def __init__(self, model: LlamaCppModel, slots: int = PREFIX_SLOTS):
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx = model.n_ctx
+        p.n_ctx = model.n_ctx * slots
         p.n_batch = p.n_ubatch = model.n_batch
-        p.n_seq_max = 1
+        p.n_seq_max = slots
+        p.kv_unified = False
         p.n_threads = p.n_threads_batch = model.n_threads
         p.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(model._model, p)
         if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {model.n_ctx} positions for {model.name}")
+            raise RuntimeError(f"llama.cpp could not create a context of {slots} × {model.n_ctx} positions for "
+                               f"{model.name}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(model.n_batch, 0, 1)
         self.n_batch = model.n_batch
         self.vocab_size = model.vocab_size
-        self.tokens: list[int] = []  # the ids whose keys/values the KV cache holds, in order
+        self.slots: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV cache holds, in order
+        self.last_used = [0] * slots
+        self.seq = 0  # the active slot (llama.cpp seq_id)
+        self._clock = 0
         weakref.finalize(self, _free_context, llama_cpp, self.ctx, self.batch)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids whose keys/values the active slot holds, in order."""
+        return self.slots[self.seq]
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
+    def select(self, prompt: list[int]) -> None:
+        """Make the slot for ``prompt`` active (see the class docstring)."""
+        def common(cached: list[int]) -> int:
+            n, limit = 0, min(len(cached), len(prompt))
+            while n < limit and cached[n] == prompt[n]:
+                n += 1
+            return n
+
+        shared = [common(c) for c in self.slots]
+        best = max(range(len(self.slots)), key=lambda i: (shared[i], -self.last_used[i]))
+        if self.slots[best] and shared[best] < SLOT_SIMILARITY * len(self.slots[best]):
+            best = min(range(len(self.slots)), key=lambda i: self.last_used[i])
+        self._clock += 1
+        self.seq, self.last_used[best] = best, self._clock
+
     def clear(self) -> None:
+        """Empty every slot."""
         self.lib.llama_memory_clear(self.mem, True)
-        self.tokens = []
+        for cached in self.slots:
+            del cached[:]
 
     def decode(self, tokens: list[int], rows: list[int]) -> np.ndarray:
         """Append ``tokens`` at positions ``length …``; returns ``float32 [len(rows), V]``: the logits of the tokens
@@ -259,7 +301,7 @@ class _Context:
                 b.token[i] = tok
                 b.pos[i] = self.length + i
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
+                b.seq_id[i][0] = self.seq
                 keep = start + i in want
                 b.logits[i] = keep
                 n_out += keep
@@ -279,9 +321,123 @@ class _Context:
 
     def crop(self, length: int, always: bool = False) -> None:
         if always or length < self.length:
-            if not self.lib.llama_memory_seq_rm(self.mem, 0, length, -1):
+            if not self.lib.llama_memory_seq_rm(self.mem, self.seq, length, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
             del self.tokens[length:]
+
+
+class SequenceBatchContext:
+    """One llama.cpp context holding ``n_seq`` sequences (``n_seq_max``; seq_id ``0 … n_seq - 1``), each with its own
+    KV cache of ``seq_ctx`` positions: continuous batching (``decoding.batch``).
+
+    The KV cache is not unified (``kv_unified=False``, as llama.cpp's server by default): every sequence has its own
+    stream of ``seq_ctx`` cells (the context is ``n_seq × seq_ctx`` positions, like the server splitting ``-c``
+    across ``-np`` slots), so a sequence's cells are laid out exactly as in a one-sequence context and, with one
+    thread and no repacking, each row's logits are bit-identical to the same row decoded alone (tested:
+    ``tests/test_batching.py``). With a unified cache the sequences' cells interleave and the attention sums in
+    another order (measured: logits differ by up to ~1).
+
+    llama.cpp splits a batch whose sequences feed different numbers of tokens into several micro-batches of equal
+    tokens per sequence (``split_equal``): one ``llama_decode`` call, a few graph runs.
+
+    Args:
+        model: the loaded GGUF model (its ``n_threads``).
+        n_seq: sequences (``n_seq_max``), >= 1.
+        seq_ctx: KV positions per sequence (prompt + new tokens of one request), >= 1.
+        n_batch: the most tokens one :meth:`decode` takes (all sequences together).
+    Raises:
+        ValueError: a size below 1.
+        RuntimeError: llama.cpp could not create the context (memory).
+    """
+
+    def __init__(self, model: LlamaCppModel, n_seq: int, seq_ctx: int, n_batch: int = DEFAULT_N_BATCH):
+        if min(n_seq, seq_ctx, n_batch) < 1:
+            raise ValueError(f"n_seq, seq_ctx and n_batch must be >= 1, got {n_seq}, {seq_ctx}, {n_batch}")
+        llama_cpp = _llama_cpp()
+        self.lib = llama_cpp
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = n_seq * seq_ctx
+        p.n_batch = p.n_ubatch = n_batch
+        p.n_seq_max = n_seq
+        p.kv_unified = False
+        p.n_threads = p.n_threads_batch = model.n_threads
+        p.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(model._model, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {n_seq} sequences × {seq_ctx} positions "
+                               f"for {model.name}")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.n_seq, self.n_batch, self.vocab_size = n_seq, n_batch, model.vocab_size
+        self.seq_ctx = int(llama_cpp.llama_n_ctx(self.ctx)) // n_seq  # llama.cpp may round the context up
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: the ids its KV cache holds
+        weakref.finalize(self, _free_context, llama_cpp, self.ctx, self.batch)
+
+    def decode(self, parts: list[tuple[int, list[int], list[int]]]) -> list[np.ndarray]:
+        """One ``llama_decode`` over several sequences' tokens.
+
+        Args:
+            parts: ``(seq_id, tokens, rows)`` per sequence (each seq_id at most once, ``tokens`` non-empty): the
+                tokens go at positions ``len(self.tokens[seq_id]) …``; ``rows`` are the increasing indices into
+                ``tokens`` whose logits are wanted (may be empty).
+        Returns:
+            per part, ``float32 [len(rows), V]``.
+        Raises:
+            ValueError: more than ``n_batch`` tokens, a bad seq_id, a sequence past ``seq_ctx`` positions; nothing
+                is decoded.
+            RuntimeError: ``llama_decode`` failed; every sequence of the call is cropped back to what it held.
+        """
+        total = sum(len(t) for _, t, _ in parts)
+        if total > self.n_batch:
+            raise ValueError(f"{total} tokens in one decode; the batch holds {self.n_batch}")
+        for s, toks, _ in parts:
+            if not 0 <= s < self.n_seq or not toks:
+                raise ValueError(f"bad part for seq_id {s} ({len(toks)} tokens; {self.n_seq} sequences)")
+            if len(self.tokens[s]) + len(toks) > self.seq_ctx:
+                raise ValueError(f"{len(self.tokens[s]) + len(toks)} positions do not fit sequence {s}'s KV cache "
+                                 f"({self.seq_ctx})")
+        b = self.batch
+        i = 0
+        for s, toks, rows in parts:
+            start, want = len(self.tokens[s]), set(rows)
+            for j, tok in enumerate(toks):
+                b.token[i] = tok
+                b.pos[i] = start + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = s
+                b.logits[i] = j in want
+                i += 1
+        b.n_tokens = total
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            for s, _, _ in parts:  # whatever was written past the recorded tokens goes
+                self.lib.llama_memory_seq_rm(self.mem, s, len(self.tokens[s]), -1)
+            raise RuntimeError(f"llama_decode failed with code {rc} ({total} tokens of {len(parts)} sequences; "
+                               f"{self.seq_ctx} positions per sequence)")
+        n_out = sum(len(r) for _, _, r in parts)
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(n_out, self.vocab_size)) \
+            if n_out else np.zeros((0, self.vocab_size), dtype=np.float32)
+        out, at = [], 0
+        for s, toks, rows in parts:
+            self.tokens[s].extend(toks)
+            out.append(logits[at:at + len(rows)].copy())
+            at += len(rows)
+        return out
+
+    def crop(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` positions of sequence ``seq_id`` (``llama_memory_seq_rm(mem, seq_id, length,
+        -1)``). Raises ``ValueError`` if it holds fewer."""
+        held = self.tokens[seq_id]
+        if length > len(held):
+            raise ValueError(f"cannot crop sequence {seq_id} to {length}: it holds {len(held)}")
+        if not self.lib.llama_memory_seq_rm(self.mem, seq_id, length, -1):
+            raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
+        del held[length:]
+
+    def used(self, seq_id: int) -> int:
+        """KV cells sequence ``seq_id`` occupies in llama.cpp (``llama_memory_seq_pos_max + 1``; 0 when empty):
+        what the tests compare with the recorded tokens."""
+        return int(self.lib.llama_memory_seq_pos_max(self.mem, seq_id)) + 1
 
 
 def _free_context(lib, ctx, batch) -> None:
@@ -319,6 +475,7 @@ class LlamaCppLM:
         was computed in: measured bit-identical with one thread and no repacking (the backend's default); with
         more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
         """
+        self.ctx.select(prompt)
         cached = self.ctx.tokens
         limit = min(len(cached), len(prompt) - 1)
         n = 0

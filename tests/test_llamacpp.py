@@ -196,8 +196,9 @@ def test_bench_runs_the_llamacpp_modes_side_by_side(tmp_path):
 
 
 def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
-    """A decode keeps the longest prefix of its prompt still in the thread's KV cache (the system prompt shared by
-    BFCL questions, a whole repeated prompt) and its tokens equal a decode from an empty cache."""
+    """A decode keeps the longest prefix of its prompt still in one of the thread's cached slots, and its tokens
+    equal a decode from an empty cache. A prompt sharing under half of a slot (another question's tools) takes the
+    least recent slot, so alternating prompts each keep their whole prefix (one slot evicted the other before)."""
     from agent.formats.generic import render_prompt
 
     gen = Generator(cpp)
@@ -211,14 +212,20 @@ def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questio
     (ids_a, g_a), (ids_b, g_b) = prompt(a), prompt(b)
     shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
     assert shared > 20  # the chat template's system header is common to both
+    assert shared < len(ids_b) / 2
     for drafter in ("none", "lookup"):
         cpp.new_lm().reset()
         fresh = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
         assert fresh.stats.prompt_tokens_cached == 0
-        gen.generate(ids_a, g_a, drafter=drafter, max_new_tokens=64)
+        first_a = gen.generate(ids_a, g_a, drafter=drafter, max_new_tokens=64)
+        assert first_a.stats.prompt_tokens_cached == 0  # the other (empty) slot: b's stays whole
         after_a = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
-        assert after_a.stats.prompt_tokens_cached == shared
-        again = gen.generate(ids_b, g_b, drafter=drafter, max_new_tokens=64)
-        assert again.stats.prompt_tokens_cached == len(ids_b) - 1  # the last prompt token is always fed
-        assert fresh.tokens == after_a.tokens == again.tokens, drafter
+        assert after_a.stats.prompt_tokens_cached == len(ids_b) - 1  # the last prompt token is always fed
+        again_a = gen.generate(ids_a, g_a, drafter=drafter, max_new_tokens=64)
+        assert again_a.stats.prompt_tokens_cached == len(ids_a) - 1
+        assert fresh.tokens == after_a.tokens and first_a.tokens == again_a.tokens, drafter
         assert fresh.stats.prompt_tokens == after_a.stats.prompt_tokens == len(ids_b)
+    c = prompt(questions[2])[0]  # a third prompt takes the least recently used slot (b's), keeping its header
+    lm = cpp.new_lm()
+    assert lm.reuse_prefix(c) == next(i for i, (x, y) in enumerate(zip(ids_b, c)) if x != y)
+    assert lm.reuse_prefix(ids_a) == len(ids_a) - 1  # a's slot is untouched

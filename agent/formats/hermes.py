@@ -16,11 +16,12 @@ its calls that way (measured on Qwen2.5-Coder-0.5B for "What is 2 plus 40?" with
 probability 0.74 for ``{"``, 4e-11 for ``<tool_call>``). The model picks the layout; both parse the same. A text
 answer may then not start with ``<`` or ``{``.
 
-After tool results the prompt keeps the system prompt and the tool list byte for byte (so the prefix cache holds
-them for every turn, and for the next question with the same tools) and a short answer instruction follows the
-results as a system message; only the marked layout can call again, and an answer may not start with ``<`` or
-``{``: with bare calls allowed, Qwen2.5-Coder-0.5B repeats its call instead of answering (first-token probability
-0.97 for ``{"`` after the result of ``add``).
+After tool results the turn is rendered the way ``generic`` renders it (a short answer instruction instead of the
+tool list) and only the marked layout can call again: with the tool list and bare calls allowed, Qwen2.5-Coder-0.5B
+repeats its call instead of answering (first-token probability 0.97 for ``{"`` after the result of ``add``; with
+the tool list kept and the instruction after the results, the demo's three answers were ```` ```json ```` calls).
+The answer turn's prompt therefore shares little with the next question's: the llama.cpp backend keeps it in a
+second cached slot (``decoding.llamacpp``), so the system prompt and tools stay in the prefix cache.
 """
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ class HermesFormat(ToolFormat):
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
         chat = template_chat(messages)
         if use_tools and tools and messages and messages[-1]["role"] == "tool":
-            # the answer instruction goes after the results: the system prompt and tool list keep their bytes, so
-            # the prefix cache holds them for every turn and every question with the same tools
-            chat.append({"role": "system", "content": ANSWER_SYSTEM_PROMPT})
+            if chat[0]["role"] == "system":
+                chat[0] = {"role": "system", "content": chat[0]["content"] + "\n\n" + ANSWER_SYSTEM_PROMPT}
+            else:
+                chat.insert(0, {"role": "system", "content": ANSWER_SYSTEM_PROMPT})
+            use_tools = False
         extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
         return self.encode_chat(chat, **extra)
 
