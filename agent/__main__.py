@@ -214,7 +214,8 @@ def cmd_serve(args) -> int:
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
           concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
           api_key=args.api_key, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-          drain_timeout=args.drain_timeout, **_backend_args(args))
+          drain_timeout=args.drain_timeout, max_batch=args.max_batch, seq_ctx=args.seq_ctx, max_rows=args.max_rows,
+          **_backend_args(args))
     return 0
 
 
@@ -259,7 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait, streamed or not; more get HTTP 429 with Retry-After")
-    p.add_argument("--concurrency", type=int, default=1, help="decodes at once over the one model")
+    p.add_argument("--concurrency", type=int, default=1, help="decodes at once over the one model (threads)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="llama.cpp backend: continuous batching of up to N requests (one llama_decode per step for "
+                        "all; replaces --concurrency)")
+    p.add_argument("--seq-ctx", type=int, default=None,
+                   help="with --max-batch: KV positions per request (default 2048; the context holds N times that)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="with --max-batch: tokens per step's llama_decode, all requests together (default 128)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
                         "SPECAGENT_API_KEY; none: no check, and a warning when --host is not loopback)")

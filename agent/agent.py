@@ -228,7 +228,8 @@ class Agent:
         """Run many prompts; results in input order.
 
         ``backend="thread"``: ``max_workers > 1`` runs them on threads (each run has its own KV cache and grammar
-        state; weights are shared read-only). ``backend="ray"``: ``max_workers`` Ray actors, each rebuilding this
+        state; weights are shared read-only); on llama.cpp, after ``agent.engine.generator.enable_batching(n)``, the
+        threads' decodes are continuously batched (``decoding.batch``: one ``llama_decode`` per step for all). ``backend="ray"``: ``max_workers`` Ray actors, each rebuilding this
         agent from :meth:`spec` (its own engine: the model loaded in the actor, or the same remote server), on the
         cluster ``ray.init`` connected to (see ``agent.distributed``).
         """

@@ -268,8 +268,9 @@ class LocalEngine:
 
     @property
     def context_length(self) -> int | None:
-        """Prompt + new tokens the model takes (None: not known)."""
-        return self.generator.loaded.context_length
+        """Prompt + new tokens one turn may hold (None: not known): the model's context, or one sequence's KV cache
+        when the generator batches (``Generator.enable_batching``)."""
+        return self.generator.context_length
 
     def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config):
         """``(prompt ids, turn grammar, callable tools, tool_choice mode)``."""

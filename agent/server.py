@@ -11,6 +11,10 @@ decoded under its grammar and validated, as in :class:`Agent`.
 Limits (flags of ``python -m agent serve``; :func:`create_app` arguments):
     ``--api-key`` / ``SPECAGENT_API_KEY``: ``Authorization: Bearer KEY`` on every route but ``/health`` (401).
     ``--max-waiting`` (64), ``--concurrency`` (1): the queue (429 beyond it, ``Retry-After: 1``).
+    ``--max-batch N`` (llama.cpp backend): continuous batching (``decoding.batch``): up to N requests decoded
+        together, their verify rows in one ``llama_decode`` per step; it takes ``--concurrency``'s place in the
+        queue limit. ``--seq-ctx`` KV positions per request (default 2048; longer prompts get 400),
+        ``--max-rows`` tokens per step (128).
     ``--request-timeout`` seconds (none): from admission; the decode stops, the client gets 504 (a stream: an
         error event).
     ``--max-body-bytes`` (4 MiB): 413 beyond it.
@@ -103,7 +107,8 @@ def _timeout_error(seconds: float | None) -> RequestError:
 
 def create_app(engine: LocalEngine, *, model_name: str | None = None, config: EngineConfig = EngineConfig(),
                max_waiting: int = DEFAULT_MAX_WAITING, concurrency: int = 1, api_key: str | None = None,
-               request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+               request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_batch: int | None = None, seq_ctx: int | None = None, max_rows: int | None = None):
     """A FastAPI app serving ``engine``.
 
     Args:
@@ -118,6 +123,10 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         request_timeout: seconds from admission (queueing included) after which the decode stops and the client
             gets 504 (a stream: an error event); None: no limit.
         max_body_bytes: the largest request body (bytes); a larger one gets 413.
+        max_batch: continuous batching (a :class:`LocalEngine` on the llama.cpp backend): its generator decodes up to
+            ``max_batch`` requests together (``Generator.enable_batching``, with ``seq_ctx`` KV positions per request
+            and ``max_rows`` tokens per step), and ``max_batch`` replaces ``concurrency`` (decodes at once; the
+            queue limit is ``max_batch + max_waiting``). None: no batching.
 
     Limits and statuses: 401 bad or missing key; 413 body too large; 400 a bad field, a prompt beyond the model's
     context (or a ``max_tokens`` that does not fit after it), a drafter the server cannot run, ``num_draft_tokens``
@@ -129,6 +138,15 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
 
     name = model_name or engine.name
     names = (name, "default")
+    if max_batch is not None:
+        generator = getattr(engine, "generator", None)
+        if generator is None:
+            raise ValueError("max_batch needs a LocalEngine (continuous batching runs in-process on llama.cpp)")
+        if generator.batcher is None:
+            generator.enable_batching(max_batch, seq_ctx=seq_ctx, max_rows=max_rows)
+        elif generator.batcher.max_batch != max_batch:
+            raise ValueError(f"the engine already batches {generator.batcher.max_batch} sequences, not {max_batch}")
+        concurrency = max_batch  # one waiting thread per sequence in the scheduler
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="decode")
     app = FastAPI(title="specagent", docs_url=None, redoc_url=None)
     state = app.state
@@ -424,11 +442,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
           max_waiting: int = DEFAULT_MAX_WAITING, concurrency: int = 1, draft_model: str | None = None,
           device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
           threads: int | None = None, api_key: str | None = None, request_timeout: float | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+          max_batch: int | None = None, seq_ctx: int | None = None, max_rows: int | None = None) -> None:
     """Load ``model`` once and serve it, under the id ``model``, until interrupted (blocks; SIGTERM drains, see
     :func:`draining_server`). ``backend`` (alias ``engine``) / ``threads``: see :class:`agent.engine.LocalEngine`;
     ``api_key`` (default: env ``SPECAGENT_API_KEY``), ``request_timeout``, ``max_body_bytes``: see
-    :func:`create_app`. Binding anything but loopback without a key prints a warning."""
+    :func:`create_app`; ``max_batch``/``seq_ctx``/``max_rows``: continuous batching, see :func:`create_app`. Binding
+    anything but loopback without a key prints a warning."""
     import os
 
     api_key = api_key or os.environ.get("SPECAGENT_API_KEY") or None
@@ -438,8 +458,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
     engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, backend=backend, engine=engine,
                          threads=threads)
     app = create_app(engine, model_name=model, config=config, max_waiting=max_waiting, concurrency=concurrency,
-                     api_key=api_key, request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+                     api_key=api_key, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+                     max_batch=max_batch, seq_ctx=seq_ctx, max_rows=max_rows)
     drafter = engine.generator.resolve_drafter(config.drafter)
+    batching = "" if max_batch is None else (f", continuous batching of {max_batch} × {engine.context_length} "
+                                             f"positions")
     print(f"serving {engine.name} as model {model!r} on http://{host}:{port}/v1 (drafter {drafter}, "
-          f"γ {config.num_draft_tokens})", flush=True)
+          f"γ {config.num_draft_tokens}{batching})", flush=True)
     draining_server(app, drain_timeout, host=host, port=port, log_level="info").run()

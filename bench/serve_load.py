@@ -1,11 +1,18 @@
 """Load test of the OpenAI-compatible server: N concurrent streaming clients against one model, on 127.0.0.1.
 
     python -m bench.serve_load --clients 32 --max-tokens 48 [--model smollm2] [--concurrency 1] [--out FILE]
+    python -m bench.serve_load --sweep 1,8,32 --batching off,on --max-batch 32 --threads 1 [--out FILE]
 
 Every prompt is first sent alone (non-streamed, greedy): its serial answer. Then all N are streamed at once. Checked:
 none lost, every call validates against its tool's schema, every streamed answer (content, calls, finish_reason)
 equals its serial answer. Reported: wall time of the concurrent phase, requests/s, completion tokens/s, latency
 p50/p95 (s), time to the first chunk carrying content or a call p50 (s), and the serial phase's tokens/s.
+
+``--sweep`` runs each client count against each server in ``--batching``: ``off`` decodes ``--concurrency`` requests
+at a time (default 1: one at a time), ``on`` is continuous batching (``--max-batch`` sequences, llama.cpp backend);
+both load the model once, with the same ``--threads``. Each server's serial answers (the largest count's prompts, sent
+alone) are the reference of its concurrent runs. The summary ends with ``speedup``: batching-on requests/s over
+batching-off requests/s per client count.
 """
 from __future__ import annotations
 
@@ -36,28 +43,75 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--sweep", default=None, help="client counts, comma-separated (e.g. 1,8,32); overrides --clients")
+    ap.add_argument("--batching", default="off", help="off | on | off,on (with --sweep: each server in turn)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=1, help="decodes at once on the server")
+    ap.add_argument("--concurrency", type=int, default=1, help="batching off: decodes at once on the server")
+    ap.add_argument("--max-batch", type=int, default=32, help="batching on: sequences decoded together")
+    ap.add_argument("--seq-ctx", type=int, default=None, help="batching on: KV positions per sequence")
+    ap.add_argument("--max-rows", type=int, default=None, help="batching on: tokens per step's llama_decode")
+    ap.add_argument("--fast-prefill", action="store_true",
+                    help="batching on: reuse cached prefixes as they are (fewer rows; see BatchScheduler exact_prefill)")
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (1: the identity configuration)")
+    ap.add_argument("--backend", default=None, help="decoding backend (default: llama.cpp for a GGUF)")
     ap.add_argument("--out", default=None, help="write the JSON summary here too")
     args = ap.parse_args(argv)
+    counts = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.clients]
+    modes = args.batching.split(",")
+    if any(m not in ("off", "on") for m in modes) or any(c < 1 for c in counts):
+        ap.error("--batching takes off, on or off,on; client counts are >= 1")
 
+    from decoding import Generator
+
+    loaded = Generator(args.model, backend=args.backend, threads=args.threads).loaded  # one load, shared
+    runs, ok = [], True
+    for mode in modes:
+        engine = LocalEngine(Generator(loaded))
+        batch = dict(max_batch=args.max_batch, seq_ctx=args.seq_ctx, max_rows=args.max_rows) if mode == "on" else {}
+        if batch and args.fast_prefill:
+            engine.generator.enable_batching(**batch, exact_prefill=False)
+        for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch):
+            summary["batching"] = mode
+            ok &= summary["valid"] == summary["equal_to_serial"] == summary["clients"] == summary["answered"]
+            print(json.dumps(summary), flush=True)
+            runs.append(summary)
+    result: dict = {"runs": runs}
+    if len(runs) == 1:
+        result = runs[0]
+    elif set(modes) == {"off", "on"}:
+        rate = {(r["batching"], r["clients"]): r["requests_per_s"] for r in runs}
+        result["speedup"] = {str(c): round(rate["on", c] / rate["off", c], 2) for c in counts}
+        print(json.dumps({"speedup": result["speedup"]}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if ok else 1
+
+
+def run_server(engine: LocalEngine, model: str, counts: list[int], max_tokens: int, concurrency: int,
+               batch: dict) -> list[dict]:
+    """One server over ``engine`` (``batch``: ``create_app``'s continuous-batching arguments, or none): the serial
+    answers of ``max(counts)`` prompts, then each count of concurrent streamed clients. One summary per count."""
     import openai
 
     registry = ToolRegistry(TOOLS)
     tools = [t.to_openai() for t in registry]
-    config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=args.max_tokens)
-    app = create_app(LocalEngine(args.model), model_name=args.model, config=config,
-                     max_waiting=max(64, args.clients), concurrency=args.concurrency)
-    todo = prompts(args.clients)
+    config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=max_tokens)
+    app = create_app(engine, model_name=model, config=config, max_waiting=max(64, max(counts)),
+                     concurrency=concurrency, **batch)
+    todo = prompts(max(counts))
+    summaries = []
     with ServerThread(app) as url:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
-        request = dict(model=args.model, tools=tools, tool_choice="required")
+        request = dict(model=model, tools=tools, tool_choice="required")
 
         def serial(prompt: str):
+            t0 = time.perf_counter()
             r = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **request)
             m = r.choices[0].message
             calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-            return (m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens
+            return (m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens, \
+                time.perf_counter() - t0
 
         def streamed(prompt: str):
             t0, first = time.perf_counter(), []
@@ -72,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             answer = (content, [(c["name"], c["arguments"]) for c in calls], finish)
             return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
 
-        t0 = time.perf_counter()
         alone = [serial(p) for p in todo]
-        serial_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            together = list(pool.map(streamed, todo))
-        wall = time.perf_counter() - t0
+        for n in counts:
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                together = list(pool.map(streamed, todo[:n]))
+            wall = time.perf_counter() - t0
+            summaries.append(summarize(registry, model, max_tokens, concurrency, batch, together, alone[:n], wall))
+    return summaries
 
+
+def summarize(registry, model, max_tokens, concurrency, batch, together, alone, wall) -> dict:
     valid = 0
     for answer, *_ in together:
         try:
@@ -91,20 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     latencies = sorted(t[2] for t in together)
     firsts = sorted(t[3] for t in together if t[3] is not None)
     tokens = sum(t[1] for t in together)
-    summary = {"clients": args.clients, "model": args.model, "max_tokens": args.max_tokens,
-               "concurrency": args.concurrency, "answered": len(together), "valid": valid,
-               "equal_to_serial": sum(t[0] == a[0] for t, a in zip(together, alone)),
-               "calls": sum(len(t[0][1]) for t in together), "wall_s": round(wall, 2),
-               "requests_per_s": round(len(together) / wall, 3), "completion_tokens_per_s": round(tokens / wall, 1),
-               "latency_p50_s": round(statistics.median(latencies), 2),
-               "latency_p95_s": round(latencies[max(0, int(0.95 * len(latencies)) - 1)], 2),
-               "first_chunk_p50_s": round(statistics.median(firsts), 2) if firsts else None,
-               "serial_tokens_per_s": round(sum(a[1] for a in alone) / serial_s, 1)}
-    print(json.dumps(summary))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
-    return 0 if summary["valid"] == summary["equal_to_serial"] == args.clients else 1
+    return {"clients": len(together), "model": model, "max_tokens": max_tokens,
+            "concurrency": batch.get("max_batch", concurrency), "answered": len(together), "valid": valid,
+            "equal_to_serial": sum(t[0] == a[0] for t, a in zip(together, alone)),
+            "calls": sum(len(t[0][1]) for t in together), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(together) / wall, 3), "completion_tokens_per_s": round(tokens / wall, 1),
+            "latency_p50_s": round(statistics.median(latencies), 2),
+            "latency_p95_s": round(latencies[max(0, int(0.95 * len(latencies)) - 1)], 2),
+            "first_chunk_p50_s": round(statistics.median(firsts), 2) if firsts else None,
+            "serial_tokens_per_s": round(sum(a[1] for a in alone) / sum(a[2] for a in alone), 1)}
 
 
 if __name__ == "__main__":

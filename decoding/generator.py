@@ -174,11 +174,12 @@ class Generator:
             self._auto = choice
         return self._auto
 
-    def enable_batching(self, max_batch: int, *, seq_ctx: int | None = None, max_rows: int | None = None):
+    def enable_batching(self, max_batch: int, *, seq_ctx: int | None = None, max_rows: int | None = None,
+                        exact_prefill: bool = True):
         """Decode every later :meth:`generate` call (from any number of threads) through one continuous-batching
         scheduler (:class:`decoding.batch.BatchScheduler`, llama.cpp backend): up to ``max_batch`` sequences verified
         in one ``llama_decode`` per step, ``seq_ctx`` KV positions each (:attr:`context_length` becomes that),
-        ``max_rows`` tokens per step. Returns the scheduler.
+        ``max_rows`` tokens per step; ``exact_prefill``: see the scheduler. Returns the scheduler.
 
         Raises:
             ValueError: not the llama.cpp backend, batching already enabled, or a size below 1.
@@ -190,7 +191,8 @@ class Generator:
         if self.batcher is not None:
             raise ValueError("batching is already enabled on this generator")
         self.batcher = BatchScheduler(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
-                                      max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows)
+                                      max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows,
+                                      exact_prefill=exact_prefill)
         return self.batcher
 
     @property

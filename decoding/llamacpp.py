@@ -369,7 +369,7 @@ class SequenceBatchContext:
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.n_seq, self.n_batch, self.vocab_size = n_seq, n_batch, model.vocab_size
-        self.seq_ctx = int(llama_cpp.llama_n_ctx(self.ctx)) // n_seq  # llama.cpp may round the context up
+        self.seq_ctx = min(seq_ctx, int(llama_cpp.llama_n_ctx(self.ctx)) // n_seq)  # llama.cpp may round it
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: the ids its KV cache holds
         weakref.finalize(self, _free_context, llama_cpp, self.ctx, self.batch)
 
@@ -433,6 +433,23 @@ class SequenceBatchContext:
         if not self.lib.llama_memory_seq_rm(self.mem, seq_id, length, -1):
             raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
         del held[length:]
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Make sequence ``dst`` hold the first ``length`` positions of sequence ``src`` (prefix sharing): what
+        ``dst`` held goes, ``src``'s stream is copied (``llama_memory_seq_cp(mem, src, dst, -1, -1)``: across
+        streams llama.cpp copies the whole KV buffer, at the next decode) and cut at ``length``
+        (``llama_memory_seq_rm``). The keys/values are ``src``'s, bit for bit; ``src`` is not changed.
+
+        Raises:
+            ValueError: ``src == dst`` or ``src`` holds fewer than ``length`` positions.
+        """
+        if src == dst or length > len(self.tokens[src]):
+            raise ValueError(f"cannot copy {length} positions of sequence {src} to sequence {dst}")
+        self.lib.llama_memory_seq_rm(self.mem, dst, -1, -1)  # removing a whole sequence never fails
+        self.tokens[dst] = []
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        self.tokens[dst] = list(self.tokens[src])
+        self.crop(dst, length)
 
     def used(self, seq_id: int) -> int:
         """KV cells sequence ``seq_id`` occupies in llama.cpp (``llama_memory_seq_pos_max + 1``; 0 when empty):

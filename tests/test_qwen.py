@@ -1,5 +1,6 @@
-"""The default model, Qwen2.5-Coder-0.5B-Instruct, in its own ``hermes`` format (marked ``slow``: needs
-``make model-default``, 491 MB; ~1 minute on one core)."""
+"""Qwen2.5-Coder-0.5B-Instruct (the benchmark's speed model; the default is its 1.5B sibling, same tokenizer and
+format) in its own ``hermes`` format (marked ``slow``: ``make test-slow`` installs it, 491 MB; ~1 minute on one
+core)."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def gen():
         pytest.skip(f"the default model is not installed ({e}); run `make model-default`")
 
 
-def test_default_model_calls_add_and_answers_42_with_auto_tool_choice(gen):
+def test_qwen_0_5b_calls_add_and_answers_42_with_auto_tool_choice(gen):
     agent = Agent(gen, [add])
     assert agent.format.name == "hermes"
     res = agent.run("What is 2 plus 40?")
@@ -40,7 +41,7 @@ def test_default_model_calls_add_and_answers_42_with_auto_tool_choice(gen):
     assert "42" in res.final_answer
 
 
-def test_default_model_answers_every_demo_question_with_the_right_tool(gen):
+def test_qwen_0_5b_answers_every_demo_question_with_the_right_tool(gen):
     """`make demo`'s three questions: the right tool, the right arguments, the result quoted in the answer."""
     from agent.demo_tools import PROMPTS, TOOLS
 
@@ -68,7 +69,7 @@ def test_bfcl_calls_are_token_identical_across_drafters_and_validate(gen):
         assert score(calls, row["ground_truth"]), (row["id"], calls)
 
 
-def test_shipped_mtp_head_for_the_default_model_loads_and_drafts_accepted_tokens(gen):
+def test_shipped_mtp_head_for_qwen_0_5b_loads_and_drafts_accepted_tokens(gen):
     """The Qwen2.5-Coder-0.5B head (checkpoints/mtp-1d9614638d18024d, trained on the dev split; simple_python 0-9 are
     in its validation split): its card names the target and the held-out test split, and on the fixture questions
     its drafts are accepted (a floor far below the measured test-split figure: a broken head drafts ~0)."""

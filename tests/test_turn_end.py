@@ -277,3 +277,15 @@ def test_a_cut_turn_counts_the_positions_where_the_grammar_masked_the_models_end
     fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("get_weather", ROME)]), "<|endoftext|>")
     cut = LocalEngine(gen).turn(messages, [WEATHER], "required", config=dataclasses.replace(config, max_new_tokens=5))
     assert cut.stop_reason == "length" and cut.stats.masked_end_argmax == 0
+
+
+def test_min_calls_masks_the_models_end_until_that_many_calls(smol_dir):
+    """``turn_grammar(parallel=True, min_calls=n)``: the model's end tokens are masked until n marked calls."""
+    from constraints import is_allowed_row
+
+    fmt, gen = scripted(smol_dir, "hermes", "", None)
+    two = call_text("hermes", [("get_weather", OSLO), ("get_weather", ROME)]) + "\n"
+    for min_calls, ends in ((2, True), (3, False)):
+        state = gen.new_state(fmt.turn_grammar([WEATHER], "required", parallel=True, min_calls=min_calls))
+        state.consume_many(gen.tokenizer.encode(two, add_special_tokens=False))
+        assert all(is_allowed_row(state.next_mask(), t) for t in gen.eog_token_ids) is ends

@@ -62,7 +62,7 @@ class ToolFormat:
     def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,
                      response_format: dict | None = None, max_string_length: int | None = None,
                      max_decimals: int | None = None, after_results: bool = False,
-                     lenient_answer: bool = False) -> Grammar:
+                     lenient_answer: bool = False, min_calls: int = 2) -> Grammar:
         """The grammar of one assistant turn.
 
         Args:
@@ -75,6 +75,10 @@ class ToolFormat:
             after_results: the turn follows tool results (a format may narrow the call layouts it accepts).
             lenient_answer: ``response_format`` is not strict (``"strict": false``): keywords the grammar cannot
                 enforce are relaxed, and the caller validates the answer.
+            min_calls: with ``parallel=True``, the fewest calls the turn may end after (where the format's layout
+                can count them; the engine uses 2). One more than the engine's call cap masks the model's end
+                entirely, so only the repeat rule, the cap or the budget end the turn (measured on the dev split:
+                docs/benchmarks.md, "Several calls in one turn").
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
@@ -88,7 +92,8 @@ class ToolFormat:
             rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
             # the model's own end: any whitespace it writes before its end-of-generation token (Qwen2.5-Coder
             # writes "\n" after </tool_call>, p ≈ 0.99, then <|endoftext|>); the parsers strip it
-            body = self.several_calls_rule(after_results) if several else self.calls_rule(parallel, after_results)
+            body = self.several_calls_rule(after_results, min_calls) if several else \
+                self.calls_rule(parallel, after_results)
             rules.append(f"calls: ({body}) {self.end_whitespace}")
             start.append("calls")
         if tool_choice != "required" or not tools:
@@ -132,11 +137,11 @@ class ToolFormat:
         """The Lark body of ``calls`` in terms of the ``call`` rule (one call object)."""
         raise NotImplementedError
 
-    def several_calls_rule(self, after_results: bool = False) -> str:
+    def several_calls_rule(self, after_results: bool = False, min_calls: int = 2) -> str:
         """The Lark body of ``calls`` when several calls are asked for (``parallel_tool_calls=True``): the layout the
-        family's models continue in after a call (hermes: the marked blocks, at least two — Qwen2.5-Coder-0.5B ends
-        after its first call otherwise: dev split, several-call questions 0/10, with two or more 4/10). Default:
-        :meth:`calls_rule` with ``parallel=True``."""
+        family's models continue in after a call (hermes: the marked blocks, at least ``min_calls`` —
+        Qwen2.5-Coder-0.5B ends after its first call otherwise: dev split, several-call questions 0/10, with two or
+        more 4/10). Default: :meth:`calls_rule` with ``parallel=True`` (``min_calls`` not counted)."""
         return self.calls_rule(True, after_results)
 
     def gbnf_root(self) -> str:

@@ -60,9 +60,10 @@ class HermesFormat(ToolFormat):
             return f"{block} | call"
         return f'{block} ("\\n" {block})* | call ("\\n" call)*'
 
-    def several_calls_rule(self, after_results: bool = False) -> str:
+    def several_calls_rule(self, after_results: bool = False, min_calls: int = 2) -> str:
         block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
-        return f'{block} ("\\n" {block})+'  # the marked layout (the one the model continues in), two calls or more
+        # the marked layout (the one the model continues in), min_calls or more
+        return f'{block} ("\\n" {block}){{{max(min_calls, 1) - 1},}}'
 
     def gbnf_root(self) -> str:
         return f'"{OPEN}\\n" call "\\n{CLOSE}" | call'
