@@ -53,8 +53,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "
-                        "1 is the identity configuration: bit-identical verify rows, so greedy speculative output "
-                        "equals one token per forward; more threads are faster but may flip near-ties)")
+                        "1 on batch-invariant weights (SmolLM2, or a Qwen alias:q8_0) is the identity configuration: "
+                        "bit-identical verify rows, so greedy speculative output equals one token per forward; more "
+                        "threads are faster but may flip near-ties)")
     p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)

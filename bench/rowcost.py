@@ -1,7 +1,7 @@
 """What a verify of n rows costs on llama.cpp's CPU kernels: ``python -m bench.rowcost``.
 
-For a GGUF (an alias of ``decoding.loader.KNOWN_MODELS`` or a path), by weight type (``shipped``; ``q4_0`` / ``q8_0``
-re-quantised by llama.cpp's own quantizer, cached by sha256 beside the shipped file), threads and weight repacking
+For a model alias of ``decoding.loader.KNOWN_MODELS``, by weight type (``shipped``; ``q4_0`` / ``q8_0`` re-quantised
+by llama.cpp's own quantizer: the model spec ``alias:q8_0``, ``decoding.llamacpp.requantized``), threads and weight repacking
 (llama.cpp's ``use_extra_bufts``), one ``llama_decode`` of n = 1 … 32 rows after a ``--prompt-tokens`` prompt, logits
 for every row, median of ``--repeat`` runs (the KV cache is cropped back to the prompt after each). Prints, per
 configuration, the 1-row time (ms), the cost of n rows as a multiple of it, and batch invariance: the largest
@@ -20,36 +20,6 @@ import time
 from pathlib import Path
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
-QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
-
-
-def requantized(spec: str, weight: str) -> Path:
-    """The GGUF of ``spec`` with its weights re-quantised to ``weight`` (``q4_0`` / ``q8_0``) by llama.cpp's
-    quantizer (``llama_model_quantize``, ``allow_requantize``), cached as ``<cache>/gguf/<sha256[:16]>.<weight>.gguf``.
-
-    Raises:
-        ValueError: unknown ``weight``. RuntimeError: the quantizer failed.
-    """
-    from decoding.llamacpp import gguf_of
-    from decoding.loader import cache_root
-
-    import llama_cpp
-
-    if weight not in QUANT_TYPES:
-        raise ValueError(f"--weights {weight!r}: choose shipped or one of {', '.join(QUANT_TYPES)}")
-    path, _, sha = gguf_of(spec)
-    out = cache_root() / "gguf" / f"{sha[:16]}.{weight}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, QUANT_TYPES[weight])
-        params.allow_requantize = True
-        tmp = out.with_suffix(".tmp")
-        rc = llama_cpp.llama_model_quantize(str(path).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({path} -> {weight}) failed with code {rc}")
-        tmp.rename(out)
-    return out
 
 
 def measure(spec: str, *, threads: int, repack: bool, rows=DEFAULT_ROWS, prompt_tokens: int = 300,
@@ -105,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for weight in args.weights.split(","):
-        spec = args.model if weight == "shipped" else str(requantized(args.model, weight))
+        spec = args.model if weight == "shipped" else f"{args.model}:{weight}"
         for threads in (int(t) for t in args.threads.split(",")):
             for repack in (r == "on" for r in args.repack.split(",")):
                 r = measure(spec, threads=threads, repack=repack, rows=rows, prompt_tokens=args.prompt_tokens,

@@ -19,18 +19,20 @@ rows, Leviathan acceptance and rollback run exactly as with the torch backend (`
   every ``<…>`` user-defined token special (Qwen's ``<tool_call>``), which the HF tokenizer keeps matchable as text.
 
 Greedy identity (speculative == one token per forward) holds when llama.cpp gives the same argmax for a row in a
-k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36, AVX2): with one thread
-and no weight repacking the logits are bit-identical (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M); with two threads, or
+k-row batch as for the same row alone. Measured on this build (llama-cpp-python 0.3.36; ``python -m
+bench.rowcost``): with one thread and no weight repacking the logits are bit-identical up to 33 rows for SmolLM2's
+Q4_1 and for Q4_0 / Q8_0 weights (Qwen re-quantised: ``qwen2.5-coder-0.5b:q8_0``), but not for Qwen's shipped
+Q4_K_M from 8 rows on (0.39 logit on the 0.5B, 0.83 on the 1.5B; Intel Xeon, 2026-12-01); with two threads, or
 with repacking (Q4_K), they differ by up to ~1 logit and a near-tie argmax flips. The backend runs on every
 physical core by default, as llama.cpp's tools do (:func:`default_threads`), with ``repack=False``; the identity
-configuration is ``threads=1``.
+configuration is ``threads=1`` on batch-invariant weights.
 ``tests/test_llamacpp.py`` checks both the bit-identity and the token identity; the benchmark reports
 ``identical_to_constrained`` per backend.
 
-Cost model (measured, one thread): llama.cpp's CPU matmuls over these quantised types cost nearly in proportion to
-the rows fed (SmolLM2 Q4_1: 14–20 ms for 1 row, 111–133 ms for 8; Qwen2.5-Coder-0.5B Q4_K_M: 47 ms for 1, 344 ms
-for 8), unlike torch's fp32 forward (44 ms for 1 row, 61 ms for 8): verifying γ+1 rows saves per-call overhead only,
-so speculation gains far less here than on torch.
+Cost model: what a verify of n rows costs depends on the CPU, the weight type and the threads (``python -m
+bench.rowcost`` prints it): on an AMD EPYC (AVX2) Qwen2.5-Coder-0.5B Q4_K_M took 47 ms for 1 row and 344 ms for 8
+(about 7 forwards); on the Intel Xeon (AVX-512) development machine 8 rows cost 2.3–2.9 forwards. torch's fp32
+forward: 44 ms for 1 row, 61 ms for 8.
 
 ``llama_cpp`` is an optional dependency (``make setup-llamacpp`` builds it from source, ~10 min on 2 cores);
 :class:`LlamaCppUnavailableError` says how to install it.
@@ -74,13 +76,57 @@ def _llama_cpp():
     return llama_cpp
 
 
+# Weight types a known model can be re-quantised to by llama.cpp's own quantizer (``alias:q8_0``): at one thread
+# their rows are bit-identical in any verify batch (``python -m bench.rowcost``), unlike Qwen's shipped Q4_K_M.
+REQUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def split_weights(spec: str) -> tuple[str, str | None]:
+    """``"alias:q8_0"`` -> ``("alias", "q8_0")``; anything else -> ``(spec, None)``."""
+    base, _, tag = spec.rpartition(":")
+    if base in KNOWN_MODELS and tag in REQUANT_TYPES:
+        return base, tag
+    return spec, None
+
+
+def requantized(path: Path, sha256: str, weight: str) -> tuple[Path, str]:
+    """``(path, sha256)`` of the GGUF ``path`` re-quantised to ``weight`` (a key of :data:`REQUANT_TYPES`) by
+    llama.cpp's quantizer (``llama_model_quantize``, ``allow_requantize``; no f16 weights ship, so the error
+    compounds: measure before relying on it), made once and cached as ``<cache>/gguf/<sha256[:16]>.<weight>.gguf``
+    (its own sha256 beside it, ``.sha256``).
+
+    Raises:
+        LlamaCppUnavailableError: llama-cpp-python is not installed. RuntimeError: the quantizer failed.
+    """
+    lib = _llama_cpp()
+    out = cache_root() / "gguf" / f"{sha256[:16]}.{weight}.gguf"
+    digest = out.with_name(out.name + ".sha256")
+    if not out.exists() or not digest.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = lib.llama_model_quantize_default_params()
+        params.ftype = getattr(lib, REQUANT_TYPES[weight])
+        params.allow_requantize = True
+        tmp = out.with_suffix(".tmp")
+        rc = lib.llama_model_quantize(str(path).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({path} -> {weight}) failed with code {rc}")
+        tmp.rename(out)
+        digest.write_text(sha256_file(out))
+    return out, digest.read_text().strip()
+
+
 def gguf_of(spec: str) -> tuple[Path, str, str]:
-    """``(GGUF path, display name, sha256)`` for an alias of :data:`decoding.loader.KNOWN_MODELS` or a ``.gguf``
-    path.
+    """``(GGUF path, display name, sha256)`` for an alias of :data:`decoding.loader.KNOWN_MODELS`, an alias with a
+    re-quantised weight type (``qwen2.5-coder-0.5b:q8_0``, see :func:`requantized`) or a ``.gguf`` path.
 
     Raises:
         ModelNotFoundError: not an alias or an existing ``.gguf`` file (the llama.cpp backend reads GGUF only).
     """
+    base, weight = split_weights(spec)
+    if weight is not None:
+        path, name, sha = gguf_of(base)
+        path, sha = requantized(path, sha, weight)
+        return path, f"{name}, re-quantised to {weight.upper()}", sha
     if spec in KNOWN_MODELS:
         src = KNOWN_MODELS[spec]
         return locate_gguf(src), src.name, src.sha256
@@ -171,7 +217,8 @@ class LlamaCppModel:
 
 def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAULT_N_CTX,
                   repack: bool = False) -> LlamaCppModel:
-    """Load a GGUF model (alias or ``.gguf`` path) on llama.cpp's CPU backend, offline.
+    """Load a GGUF model (alias, ``alias:q4_0`` / ``alias:q8_0`` re-quantised, or ``.gguf`` path) on llama.cpp's CPU
+    backend, offline.
 
     Args:
         n_threads: CPU threads per forward (default :func:`default_threads`).
@@ -190,7 +237,7 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
     check_threads(n_threads)
     llama_cpp = _llama_cpp()
     path, name, sha = gguf_of(spec)
-    tok = gguf_tokenizer(path, sha)
+    tok = gguf_tokenizer(*gguf_of(split_weights(spec)[0])[::2])  # re-quantised weights: the shipped file's tokenizer
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
@@ -237,7 +284,7 @@ class _Context:
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
         p = llama_cpp.llama_context_default_params()
-        p.n_ctx = model.n_ctx * slots
+        p.n_ctx = -(-model.n_ctx // 256) * 256 * slots  # llama.cpp splits n_ctx evenly, in multiples of 256
         p.n_batch = p.n_ubatch = model.n_batch
         p.n_seq_max = slots
         p.kv_unified = False
@@ -551,8 +598,9 @@ def default_threads() -> int:
     Not batch-invariant: with more than one thread llama.cpp splits a k-row verify differently from one row, so
     a row's logits can differ in the last bits and a near-tie argmax can flip (greedy speculative output then
     differs from one token per forward at a few positions; the benchmark's ``identical_to_constrained`` measures
-    how often). The identity configuration is ``threads=1`` (``--threads 1``): bit-identical rows, measured (see
-    docs/benchmarks.md, "llama.cpp batch invariance")."""
+    how often). The identity configuration is ``threads=1`` (``--threads 1``) on batch-invariant weights
+    (SmolLM2's Q4_1, any Q4_0 / Q8_0 such as ``qwen2.5-coder-0.5b:q8_0``; not Qwen's shipped Q4_K_M from 8 rows
+    on): bit-identical rows, measured (``python -m bench.rowcost``; docs/architecture.md, "Threads")."""
     import os
 
     try:

@@ -229,3 +229,22 @@ def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questio
     lm = cpp.new_lm()
     assert lm.reuse_prefix(c) == next(i for i, (x, y) in enumerate(zip(ids_b, c)) if x != y)
     assert lm.reuse_prefix(ids_a) == len(ids_a) - 1  # a's slot is untouched
+
+
+def test_requantised_weights_load_by_tag_with_the_shipped_tokenizer_and_stay_batch_invariant(cpp1):
+    """``alias:q8_0``: llama.cpp's quantizer re-quantises the shipped GGUF once (cached); same tokenizer, other
+    weights (another sha256), and at one thread rows stay bit-identical up to the largest verify (33 rows)."""
+    q8 = load_llamacpp("smollm2:q8_0", n_threads=1, n_ctx=1024)
+    assert q8.sha256 != cpp1.sha256 and q8.path.name.endswith(".q8_0.gguf") and "Q8_0" in q8.name
+    assert q8.tokenizer.get_vocab() == cpp1.tokenizer.get_vocab()
+    lm = q8.new_lm()
+    lm.reset()
+    lm.forward(list(range(300, 420)), num_logits=1)
+    window = [11, 2000, 345, 7, 999, *range(5000, 5028)]
+    batched, _ = lm.forward(window)
+    lm.crop(120)
+    alone = torch.cat([lm.forward([t])[0] for t in window])
+    assert torch.equal(batched, alone)
+    shipped = cpp1.new_lm()
+    shipped.reset()
+    assert not torch.equal(batched, shipped.forward(list(range(300, 420)) + window, num_logits=33)[0])
