@@ -283,19 +283,8 @@ class _Context:
     def __init__(self, model: LlamaCppModel, slots: int = PREFIX_SLOTS):
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
-        p = llama_cpp.llama_context_default_params()
-        p.n_ctx = -(-model.n_ctx // 256) * 256 * slots  # llama.cpp splits n_ctx evenly, in multiples of 256
-        p.n_batch = p.n_ubatch = model.n_batch
-        p.n_seq_max = slots
-        p.kv_unified = False
-        p.n_threads = p.n_threads_batch = model.n_threads
-        p.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(model._model, p)
-        if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {slots} × {model.n_ctx} positions for "
-                               f"{model.name}")
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(model.n_batch, 0, 1)
+        # llama.cpp splits n_ctx evenly over the sequences, in multiples of 256
+        self.ctx, self.mem, self.batch = _new_context(model, slots, -(-model.n_ctx // 256) * 256, model.n_batch)
         self.n_batch = model.n_batch
         self.vocab_size = model.vocab_size
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV cache holds, in order
@@ -402,19 +391,7 @@ class SequenceBatchContext:
             raise ValueError(f"n_seq, seq_ctx and n_batch must be >= 1, got {n_seq}, {seq_ctx}, {n_batch}")
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
-        p = llama_cpp.llama_context_default_params()
-        p.n_ctx = n_seq * seq_ctx
-        p.n_batch = p.n_ubatch = n_batch
-        p.n_seq_max = n_seq
-        p.kv_unified = False
-        p.n_threads = p.n_threads_batch = model.n_threads
-        p.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(model._model, p)
-        if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {n_seq} sequences × {seq_ctx} positions "
-                               f"for {model.name}")
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.ctx, self.mem, self.batch = _new_context(model, n_seq, seq_ctx, n_batch)
         self.n_seq, self.n_batch, self.vocab_size = n_seq, n_batch, model.vocab_size
         self.seq_ctx = min(seq_ctx, int(llama_cpp.llama_n_ctx(self.ctx)) // n_seq)  # llama.cpp may round it
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # per sequence: the ids its KV cache holds
@@ -502,6 +479,25 @@ class SequenceBatchContext:
         """KV cells sequence ``seq_id`` occupies in llama.cpp (``llama_memory_seq_pos_max + 1``; 0 when empty):
         what the tests compare with the recorded tokens."""
         return int(self.lib.llama_memory_seq_pos_max(self.mem, seq_id)) + 1
+
+
+def _new_context(model: LlamaCppModel, n_seq: int, seq_ctx: int, n_batch: int):
+    """``(ctx, memory, batch)``: a llama.cpp context of ``n_seq`` sequences with ``seq_ctx`` positions each, every
+    sequence its own KV stream (``kv_unified=False``: its cells laid out as in a one-sequence context), and a
+    reusable batch of ``n_batch`` tokens. Raises RuntimeError when llama.cpp cannot create it (memory)."""
+    lib = _llama_cpp()
+    p = lib.llama_context_default_params()
+    p.n_ctx = n_seq * seq_ctx
+    p.n_batch = p.n_ubatch = n_batch
+    p.n_seq_max = n_seq
+    p.kv_unified = False
+    p.n_threads = p.n_threads_batch = model.n_threads
+    p.no_perf = True
+    ctx = lib.llama_init_from_model(model._model, p)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp could not create a context of {n_seq} sequences × {seq_ctx} positions for "
+                           f"{model.name}")
+    return ctx, lib.llama_get_memory(ctx), lib.llama_batch_init(n_batch, 0, 1)
 
 
 def _free_context(lib, ctx, batch) -> None:
