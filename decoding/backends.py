@@ -22,8 +22,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .llamacpp import LlamaCppModel, available as llamacpp_available, gguf_of, load_llamacpp
-from .loader import LoadedModel, ModelNotFoundError, check_threads, load_model
+from .llamacpp import LlamaCppModel, available as llamacpp_available, is_gguf, load_llamacpp
+from .loader import LoadedModel, check_threads, load_model
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
@@ -231,9 +231,6 @@ def choose_backend(model: str | None, *, device: str = "cpu", dtype: str = "floa
         return "torch"
     if not cpp.supports(needs):
         return "torch"
-    if model is not None:
-        try:
-            gguf_of(model)
-        except ModelNotFoundError:
-            return "torch"
+    if model is not None and not is_gguf(model):
+        return "torch"
     return "llamacpp"

@@ -45,7 +45,7 @@ from constraints import ConstraintState
 from schemas.errors import SpecAgentError
 
 from .drafters import Drafter
-from .llamacpp import LlamaCppModel, SequenceBatchContext
+from .llamacpp import LlamaCppModel, SequenceBatchContext, common_prefix
 from .sampling import SamplingParams
 from .speculative import SpeculativeSequence, verify_inputs, verify_logits
 from .stats import DecodeResult
@@ -152,14 +152,6 @@ def prefill_classes(prompt: list[int], cached: list[int], cached_big: int) -> tu
     if 0 < big - keep < SMALL_UBATCH:
         keep = big - SMALL_UBATCH
     return big, keep
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @dataclass

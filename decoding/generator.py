@@ -274,7 +274,6 @@ class Generator:
         mode = self.resolve_drafter(drafter or self.drafter)
         check_drafter(mode)
         self.check_supported(mode)
-        target = self.new_target()
         on_step = None if on_text is None and stop_when is None else _TextDeltas(self.tokenizer, on_text, stop_when)
         if self.batcher is not None:  # continuous batching: the same step, verified with the other sequences'
             result = self.batcher.decode(
@@ -284,11 +283,11 @@ class Generator:
                 adaptive=self.adaptive if adaptive is None else adaptive,
                 **({"max_window": 0} if mode == "none" else {}))  # none: one token per forward
         elif mode == "none":
-            result = decode(target, prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
+            result = decode(self.new_target(), prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
                             tokenizer=self.tokenizer, on_step=on_step)
         else:
             result = speculative_decode(
-                target, prompt, state, self.make_drafter(mode),
+                self.new_target(), prompt, state, self.make_drafter(mode),
                 num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling,
                 adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer, on_step=on_step)

@@ -115,6 +115,21 @@ def requantized(path: Path, sha256: str, weight: str) -> tuple[Path, str]:
     return out, digest.read_text().strip()
 
 
+def is_gguf(spec: str) -> bool:
+    """Whether :func:`gguf_of` finds a GGUF for ``spec`` — an installed alias (with or without a re-quantised weight
+    tag) or an existing ``.gguf`` file — without hashing a path's file or re-quantising (:func:`load_llamacpp`
+    does that once)."""
+    base, _ = split_weights(spec)
+    if base in KNOWN_MODELS:
+        try:
+            locate_gguf(KNOWN_MODELS[base])
+        except ModelNotFoundError:
+            return False
+        return True
+    path = Path(spec).expanduser()
+    return path.is_file() and path.suffix == ".gguf"
+
+
 def gguf_of(spec: str) -> tuple[Path, str, str]:
     """``(GGUF path, display name, sha256)`` for an alias of :data:`decoding.loader.KNOWN_MODELS`, an alias with a
     re-quantised weight type (``qwen2.5-coder-0.5b:q8_0``, see :func:`requantized`) or a ``.gguf`` path.
@@ -237,7 +252,9 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
     check_threads(n_threads)
     llama_cpp = _llama_cpp()
     path, name, sha = gguf_of(spec)
-    tok = gguf_tokenizer(*gguf_of(split_weights(spec)[0])[::2])  # re-quantised weights: the shipped file's tokenizer
+    base, weight = split_weights(spec)
+    shipped, _, shipped_sha = gguf_of(base) if weight else (path, name, sha)
+    tok = gguf_tokenizer(shipped, shipped_sha)  # re-quantised weights: the shipped file's tokenizer
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
@@ -262,6 +279,14 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
         raise RuntimeError(f"{name}: the GGUF vocabulary ({loaded.vocab_size}) is smaller than its tokenizer's "
                            f"({len(tok)})")
     return loaded
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 PREFIX_SLOTS = 2  # cached sequences per thread's context (llama.cpp server's slots, for the prefix cache)
@@ -302,20 +327,16 @@ class _Context:
     def length(self) -> int:
         return len(self.tokens)
 
-    def select(self, prompt: list[int]) -> None:
-        """Make the slot for ``prompt`` active (see the class docstring)."""
-        def common(cached: list[int]) -> int:
-            n, limit = 0, min(len(cached), len(prompt))
-            while n < limit and cached[n] == prompt[n]:
-                n += 1
-            return n
-
-        shared = [common(c) for c in self.slots]
+    def select(self, prompt: list[int]) -> int:
+        """Make the slot for ``prompt`` active (see the class docstring); returns how many of its cached tokens
+        ``prompt`` starts with."""
+        shared = [common_prefix(c, prompt) for c in self.slots]
         best = max(range(len(self.slots)), key=lambda i: (shared[i], -self.last_used[i]))
         if self.slots[best] and shared[best] < SLOT_SIMILARITY * len(self.slots[best]):
             best = min(range(len(self.slots)), key=lambda i: self.last_used[i])
         self._clock += 1
         self.seq, self.last_used[best] = best, self._clock
+        return shared[best]
 
     def clear(self) -> None:
         """Empty every slot."""
@@ -535,12 +556,7 @@ class LlamaCppLM:
         was computed in: measured bit-identical with one thread and no repacking (the backend's default); with
         more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
         """
-        self.ctx.select(prompt)
-        cached = self.ctx.tokens
-        limit = min(len(cached), len(prompt) - 1)
-        n = 0
-        while n < limit and cached[n] == prompt[n]:
-            n += 1
+        n = min(self.ctx.select(prompt), len(prompt) - 1)
         self.ctx.crop(n, always=True)  # even at n == len(cached): nothing unrecorded may stay past n
         return n
 
