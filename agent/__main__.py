@@ -56,6 +56,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "1 on batch-invariant weights (SmolLM2, or a Qwen alias:q8_0) is the identity configuration: "
                         "bit-identical verify rows, so greedy speculative output equals one token per forward; more "
                         "threads are faster but may flip near-ties)")
+    p.add_argument("--ctx-size", "-c", type=int, default=None,
+                   help="llama.cpp backend: KV cache positions per sequence, prompt + output (default 8192, capped by "
+                        "the model's training context), as llama.cpp's -c")
     p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -81,7 +84,9 @@ def _backend_args(args) -> dict:
     if backend is None and args.drafter in DRAFTERS and not BACKENDS[DEFAULT_BACKEND].supports(
             DRAFTERS[args.drafter].needs):
         backend = "torch"
-    return {"backend": backend, "threads": args.threads}
+    if args.ctx_size is not None and args.ctx_size < 2:
+        raise UserError(f"--ctx-size must be >= 2, got {args.ctx_size}")
+    return {"backend": backend, "threads": args.threads, "ctx_size": args.ctx_size}
 
 
 def _print_run(prompt: str, res) -> None:

@@ -88,10 +88,11 @@ class Agent:
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``max_string_length``, ``max_decimals`` override its
             fields (None: keep).
-        draft_model, device, dtype, backend, threads: load-time arguments, only when the agent loads the model
+        draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
             (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
             ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU
-            threads), ``"torch"`` (default) on transformers. ``engine`` is an alias of ``backend``.
+            threads, ``ctx_size`` KV cache positions per sequence), ``"torch"`` (default) on transformers. ``engine``
+            is an alias of ``backend``.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
             validates every output (failed calls are retried ``max_retries`` times with the error fed back).
@@ -114,11 +115,12 @@ class Agent:
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
                  parallel_tool_execution: bool = True, tool_format: str | None = None,
                  chat_template: str | None = None, backend: str | None = None, engine: str | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, ctx_size: int | None = None):
         if isinstance(model, Engine):
             ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
                                       ("tool_format", tool_format), ("chat_template", chat_template),
-                                      ("backend", backend), ("engine", engine), ("threads", threads))
+                                      ("backend", backend), ("engine", engine), ("threads", threads),
+                                      ("ctx_size", ctx_size))
                        if v is not None]
             if ignored:
                 raise ValueError(f"{', '.join(ignored)} would be ignored: the engine is already built; pass them "
@@ -127,7 +129,7 @@ class Agent:
         else:
             self.engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype,
                                       tool_format=tool_format, chat_template=chat_template, backend=backend,
-                                      engine=engine, threads=threads,
+                                      engine=engine, threads=threads, ctx_size=ctx_size,
                                       drafter=drafter or (config.drafter if config is not None else None))
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive,

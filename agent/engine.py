@@ -159,9 +159,9 @@ class LocalEngine:
         model: a :class:`Generator`, a :class:`LoadedModel` or a spec for ``decoding.load_model``.
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
-        backend, threads: a row of ``decoding.BACKENDS`` (``"torch"``, the default, or ``"llamacpp"``: llama.cpp's CPU
-            kernels on the GGUF as shipped, ``threads`` CPU threads), only with a spec (see
-            :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
+        backend, threads, ctx_size: a row of ``decoding.BACKENDS`` (``"torch"``, the default, or ``"llamacpp"``:
+            llama.cpp's CPU kernels on the GGUF as shipped, ``threads`` CPU threads, ``ctx_size`` KV cache positions
+            per sequence), only with a spec (see :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
         drafter: the drafter the runs will use, when the engine loads the model: with no backend named, one that
@@ -174,9 +174,10 @@ class LocalEngine:
     def __init__(self, model: Generator | LoadedModel | str = DEFAULT_MODEL, *, draft_model: Any = None,
                  device: str | None = None, dtype: str | None = None, tool_format: str | None = None,
                  chat_template: str | None = None, backend: str | None = None, engine: str | None = None,
-                 threads: int | None = None, drafter: str | None = None):
+                 threads: int | None = None, drafter: str | None = None, ctx_size: int | None = None):
         ignored = [n for n, v in (("draft_model", draft_model), ("device", device), ("dtype", dtype),
-                                  ("backend", backend), ("engine", engine), ("threads", threads)) if v is not None
+                                  ("backend", backend), ("engine", engine), ("threads", threads),
+                                  ("ctx_size", ctx_size)) if v is not None
                    and (isinstance(model, Generator) or (not isinstance(model, str) and n != "draft_model"))]
         if ignored:
             raise ValueError(f"{', '.join(ignored)} would be ignored: the model is already loaded "
@@ -186,19 +187,19 @@ class LocalEngine:
         else:
             self.generator = Generator(model, draft_model=draft_model, device=device or "cpu",
                                        dtype=dtype or "float32", backend=backend, engine=engine, threads=threads,
-                                       drafter=drafter or DEFAULT_DRAFTER)
+                                       drafter=drafter or DEFAULT_DRAFTER, ctx_size=ctx_size)
         self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
         if isinstance(model, str):
-            where, load = model, {"backend": backend or engine, "threads": threads}
+            where, load = model, {"backend": backend or engine, "threads": threads, "ctx_size": ctx_size}
         else:  # rebuilt from the loaded model where it pickles, else from its file (llama.cpp: ctypes handles)
             where, load = self.generator.backend.portable(self.generator.loaded)
         self._spec = (where, draft_model, device, dtype, tool_format, chat_template, load.get("backend"),
-                      load.get("threads"))
+                      load.get("threads"), load.get("ctx_size"))
 
     @property
-    def call_start_chars(self) -> str:
-        """First characters that open a tool call in this format (a text answer may not start with them)."""
-        return self.format.answer_first_char_excluded()
+    def call_prefixes(self) -> tuple[str, ...]:
+        """What opens a tool call in this format's text (a text answer starts with none of them)."""
+        return self.format.call_prefixes()
 
     @property
     def tokenizer(self):
@@ -212,10 +213,10 @@ class LocalEngine:
         """``(LocalEngine, (model,), kwargs)``: a spec string is reloaded where the engine is rebuilt, a loaded model
         travels pickled. An engine built from a ready :class:`Generator` is rebuilt from its loaded model with
         default Generator settings (its draft model does not travel)."""
-        model, draft_model, device, dtype, tool_format, chat_template, backend, threads = self._spec
+        model, draft_model, device, dtype, tool_format, chat_template, backend, threads, ctx_size = self._spec
         return LocalEngine, (model,), {"draft_model": draft_model, "device": device, "dtype": dtype,
                                        "tool_format": tool_format, "chat_template": chat_template,
-                                       "backend": backend, "threads": threads}
+                                       "backend": backend, "threads": threads, "ctx_size": ctx_size}
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
@@ -234,7 +235,7 @@ class LocalEngine:
         # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
         # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
-            self.format.is_call(text) or text.startswith(tuple(self.call_start_chars)))))
+            self.format.is_call(text) or text.startswith(self.call_prefixes))))
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
             stop = "grammar"  # every call is whole (another could have followed): nothing was cut

@@ -326,15 +326,16 @@ class TextStream:
 
     Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
     never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until its
-    first character shows whether it opens a call (``call_start_chars``); the last ``len(longest stop) - 1`` characters are held back so a
-    stop sequence is never sent. What was sent is always a prefix of the final ``content``.
+    start shows whether it opens a call (``call_prefixes``: the format's call openers, e.g. ``"<"``, ``"{"``,
+    ``"```json"``); the last ``len(longest stop) - 1`` characters are held back so a stop sequence is never sent. What
+    was sent is always a prefix of the final ``content``.
     """
 
-    def __init__(self, req: ChatRequest, call_start_chars: str):
+    def __init__(self, req: ChatRequest, call_prefixes: tuple[str, ...]):
         mode = req.tool_choice if isinstance(req.tool_choice, str) else "required"
         self.live = req.response is None and mode != "required"
         self.may_call = mode == "auto"
-        self.call_start_chars = call_start_chars
+        self.call_prefixes = tuple(call_prefixes)
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.stop = req.stop
         self.text = ""
@@ -349,9 +350,11 @@ class TextStream:
             s = self.text.lstrip()
             if not s:
                 return ""
-            if s[0] in self.call_start_chars:
+            if s.startswith(self.call_prefixes):
                 self.live = False  # a call: sent once validated
                 return ""
+            if any(p.startswith(s) for p in self.call_prefixes):
+                return ""  # may still open a call (e.g. "``" of "```json")
             self.may_call = False
         text, hit = cut_at_stop(self.text, self.stop)
         end = len(text) if hit else max(self.sent, len(self.text) - self.hold)

@@ -41,7 +41,7 @@ class OpenAIEngine:
         timeout: seconds per request.
     """
 
-    call_start_chars = ""  # calls come back as structured tool_calls, not text
+    call_prefixes: tuple[str, ...] = ()  # calls come back as structured tool_calls, not text
 
     def __init__(self, base_url: str, model: str, *, api_key: str = "none", send_engine_config: bool = False,
                  extra_body: dict | None = None, timeout: float = 600.0):

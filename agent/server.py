@@ -23,6 +23,18 @@ Limits (flags of ``python -m agent serve``; :func:`create_app` arguments):
     A client that disconnects stops its decode at the next step and frees its slot.
     SIGTERM (or Ctrl-C): drain: new requests get 503, in-flight ones finish (at most ``--drain-timeout`` seconds,
     30, then they are cancelled), then the process exits; a second signal exits at once.
+
+Metrics (``GET /metrics``): ``specagent_requests_total{status}``, ``specagent_generated_tokens_total``,
+``specagent_drafted_tokens_total``, ``specagent_accepted_tokens_total``, ``specagent_acceptance_rate``,
+``specagent_in_flight`` (admitted: decoding + waiting), ``specagent_queue_length`` (waiting for a decode slot, with
+``--max-batch``: for a place in the batch), ``specagent_request_latency_seconds`` (histogram). With ``--max-batch``
+also the scheduler's (as vLLM's running / waiting / KV cache usage / tokens per iteration):
+``specagent_batch_slots`` (``max_batch``), ``specagent_batch_running`` (sequences in the batch, each holding a KV
+slot), ``specagent_batch_waiting`` (sequences waiting in the scheduler for a slot), ``specagent_kv_cache_usage_ratio``
+(KV positions held by running sequences / ``max_batch × seq_ctx``), ``specagent_batch_steps_total`` (batched
+``llama_decode`` steps), ``specagent_batch_step_tokens`` and ``specagent_batch_step_sequences`` (summaries: ``_sum /
+_count`` = tokens, sequences per step), ``specagent_batch_aborted_sequences_total`` (left unfinished: client gone,
+timeout, failure; KV removed), ``specagent_batch_prefix_copies_total`` (prompt prefixes copied from another slot).
 """
 from __future__ import annotations
 
@@ -112,7 +124,7 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     """A FastAPI app serving ``engine``.
 
     Args:
-        engine: the engine every request decodes with (any :class:`~agent.engine.Engine` with ``call_start_chars``;
+        engine: the engine every request decodes with (any :class:`~agent.engine.Engine` with ``call_prefixes``;
             with ``check``/``context_length`` as :class:`LocalEngine` has, bad requests are refused before decoding).
         model_name: the id clients pass as ``model`` (default: the engine's model name); ``"default"`` also works.
         config: the defaults a request's fields override (drafter, γ, caps, sampling, ``max_new_tokens``).
@@ -170,6 +182,9 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         lambda: max(0, state.in_flight - concurrency))
     Gauge("specagent_acceptance_rate", "Accepted / drafted tokens since start", registry=registry).set_function(
         lambda: m_accepted._value.get() / max(1.0, m_drafted._value.get()))
+    batcher = getattr(getattr(engine, "generator", None), "batcher", None)
+    if batcher is not None:
+        registry.register(_BatchMetrics(batcher))
 
     def error(e: RequestError, headers: dict | None = None) -> JSONResponse:
         m_requests.labels(str(e.status)).inc()
@@ -290,7 +305,7 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
             queue: asyncio.Queue = asyncio.Queue()
             future = submit(req, slot, lambda text: loop.call_soon_threadsafe(queue.put_nowait, text))
             future.add_done_callback(lambda _: queue.put_nowait(None))
-            return _CancellingStream(_sse(req, slot, future, queue, engine.call_start_chars, record, t0,
+            return _CancellingStream(_sse(req, slot, future, queue, engine.call_prefixes, record, t0,
                                           request_timeout), slot, media_type="text/event-stream")
         future = submit(req, slot)
         try:
@@ -314,6 +329,36 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     return app
 
 
+class _BatchMetrics:
+    """The continuous-batching scheduler's metrics (a ``decoding.batch.BatchScheduler``), read at each scrape: see
+    the module docstring."""
+
+    def __init__(self, batcher):
+        self.batcher = batcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+        b = self.batcher
+        yield GaugeMetricFamily("specagent_batch_slots", "Sequences decoded together at most (--max-batch)",
+                                value=b.max_batch)
+        yield GaugeMetricFamily("specagent_batch_running", "Sequences in the batch, each holding a KV cache slot "
+                                "(decoding or prefilling)", value=b.active)
+        yield GaugeMetricFamily("specagent_batch_waiting", "Sequences waiting in the scheduler for a free slot",
+                                value=b.waiting)
+        yield GaugeMetricFamily("specagent_kv_cache_usage_ratio", "KV cache positions held by the running "
+                                "sequences / (max_batch x seq_ctx)", value=b.kv_positions / (b.max_batch * b.seq_ctx))
+        yield CounterMetricFamily("specagent_batch_steps", "Batched llama_decode steps", value=b.steps)
+        yield SummaryMetricFamily("specagent_batch_step_tokens", "Tokens per step (all sequences' verify rows and "
+                                  "prefill chunks)", count_value=b.steps, sum_value=b.step_tokens)
+        yield SummaryMetricFamily("specagent_batch_step_sequences", "Sequences per step", count_value=b.steps,
+                                  sum_value=b.step_sequences)
+        yield CounterMetricFamily("specagent_batch_aborted_sequences", "Sequences that left the batch unfinished "
+                                  "(client gone, timeout, failed decode); their KV cache removed", value=b.aborted)
+        yield CounterMetricFamily("specagent_batch_prefix_copies", "Prompt prefixes copied from another slot's KV "
+                                  "cache instead of prefilled", value=b.copies)
+
+
 class _CancellingStream(StreamingResponse):
     """A streamed completion that stops its decode however the response ends (the client gone included)."""
 
@@ -328,12 +373,12 @@ class _CancellingStream(StreamingResponse):
             self.slot.stop("disconnected")  # no-op when the decode has ended
 
 
-async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asyncio.Queue, call_start_chars: str,
-               record, t0: float, request_timeout: float | None):
+async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asyncio.Queue,
+               call_prefixes: tuple[str, ...], record, t0: float, request_timeout: float | None):
     """Server-sent events of one streamed completion (its decode ``future`` feeding ``queue`` with text, then
     None), ending with ``data: [DONE]``."""
     cid = new_id()
-    stream = TextStream(req, call_start_chars)
+    stream = TextStream(req, call_prefixes)
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -443,9 +488,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
           device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
           threads: int | None = None, api_key: str | None = None, request_timeout: float | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-          max_batch: int | None = None, seq_ctx: int | None = None, max_rows: int | None = None) -> None:
+          max_batch: int | None = None, seq_ctx: int | None = None, max_rows: int | None = None,
+          ctx_size: int | None = None) -> None:
     """Load ``model`` once and serve it, under the id ``model``, until interrupted (blocks; SIGTERM drains, see
-    :func:`draining_server`). ``backend`` (alias ``engine``) / ``threads``: see :class:`agent.engine.LocalEngine`;
+    :func:`draining_server`). ``backend`` (alias ``engine``) / ``threads`` / ``ctx_size``: see
+    :class:`agent.engine.LocalEngine`;
     ``api_key`` (default: env ``SPECAGENT_API_KEY``), ``request_timeout``, ``max_body_bytes``: see
     :func:`create_app`; ``max_batch``/``seq_ctx``/``max_rows``: continuous batching, see :func:`create_app`. Binding
     anything but loopback without a key prints a warning."""
@@ -456,7 +503,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
         print(f"warning: serving on {host} without an API key: anyone who can reach it can use the model; pass "
               f"--api-key or set SPECAGENT_API_KEY", file=sys.stderr, flush=True)
     engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, backend=backend, engine=engine,
-                         threads=threads)
+                         threads=threads, ctx_size=ctx_size)
     app = create_app(engine, model_name=model, config=config, max_waiting=max_waiting, concurrency=concurrency,
                      api_key=api_key, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                      max_batch=max_batch, seq_ctx=seq_ctx, max_rows=max_rows)

@@ -115,7 +115,34 @@ def language_specific_pre_processing(fn: dict, language: str) -> dict:
     return fn
 
 
-def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None = None) -> Tool:
+# The literal syntax BFCL's checker parses for a parameter declared with a Java/JavaScript type (``bfcl_eval``'s
+# ``java_type_converter`` / ``js_type_converter``: a value in any other syntax stays a string and fails the type's
+# ground truth, e.g. ``"42"`` for a Java ``long``, which must read ``42L``). The harness declares these parameters as
+# strings; the grammar keeps the scalar ones strings of that syntax or a name (a variable or constant such as
+# ``ResultSet.CONCUR_READ_ONLY``, which ground truths hold for typed parameters too).
+LITERAL_SYNTAX = {
+    "java": {"integer": r"-?\d+", "int": r"-?\d+", "short": r"-?\d+", "byte": r"-?\d+", "long": r"-?\d+L",
+             "float": r"-?\d+(\.\d+)?([eE][+-]?\d+)?f", "double": r"-?\d+(\.\d+)?([eE][+-]?\d+)?",
+             "boolean": r"true|false"},
+    "javascript": {"integer": r"-?\d+", "float": r"-?\d+(\.\d+)?", "Bigint": r"-?\d+n", "Boolean": r"true|false"},
+}
+# Collections (Java ``Array``/``ArrayList``/``HashMap``, JS ``array``/``dict``) stay free: their ground truths also
+# hold plain strings the checker compares as they are (simple_java_35: a ``byte[]`` given as ``"user:online:both"``).
+NAME_SYNTAX = r"[A-Za-z_$][A-Za-z0-9_$]*(\.[A-Za-z_$][A-Za-z0-9_$]*)*"
+
+
+def literal_syntax(fn: dict, language: str) -> dict[str, dict]:
+    """``{parameter: {"pattern": …}}`` keeping each top-level Java/JavaScript parameter of the BFCL doc ``fn`` (as
+    written, before :func:`language_specific_pre_processing`) to the literal syntax of its declared type
+    (:data:`LITERAL_SYNTAX`) or a name (:data:`NAME_SYNTAX`); parameters of ``String``/``any`` type are left free."""
+    table = LITERAL_SYNTAX.get(language, {})
+    return {name: {"pattern": f"^({table[p['type']]}|{NAME_SYNTAX})$"}
+            for name, p in (fn.get("parameters") or {}).get("properties", {}).items()
+            if isinstance(p, dict) and p.get("type") in table}
+
+
+def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None = None,
+                   literals: bool = True) -> Tool:
     """A call-only :class:`Tool` from one BFCL function doc (``{"name", "description", "parameters"}``).
 
     Args:
@@ -123,8 +150,11 @@ def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None
             (:func:`language_specific_pre_processing`: every parameter a string of source code, so the grammar writes
             only strings there); ``"python"`` or None: unchanged.
         code_strings: the older switch for the same (``language="java"`` when no language is given).
+        literals: Java/JavaScript: each parameter's string kept to the literal syntax of its declared type
+            (:func:`literal_syntax`).
     """
     language = language or ("java" if code_strings else None)
+    syntax = literal_syntax(fn, language) if literals and language in _LANGUAGE_HINT else {}
     if language in _LANGUAGE_HINT:
         fn = language_specific_pre_processing(fn, language)
     params = normalize_schema(fn.get("parameters") or {"type": "object", "properties": {}},
@@ -132,4 +162,6 @@ def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None
     params.setdefault("type", "object")
     if language in _LANGUAGE_HINT:
         params["type"] = "object"
+    for name, keywords in syntax.items():
+        params["properties"][name].update(keywords)
     return Tool.from_schema(fn["name"], params, description=fn.get("description", ""), strict=False)

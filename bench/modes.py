@@ -18,11 +18,13 @@ from schemas import SpecAgentError, ToolRegistry, call_schema
 from .bfcl import MAX_DECIMALS, MAX_STRING_LENGTH, BfclTurn, bfcl_turn
 
 BASELINE = "constrained"
-PEER_MODES = ("hf_unconstrained", "hf_assisted_constrained", "llamacpp_unconstrained", "llamacpp_constrained")
+PEER_MODES = ("hf_unconstrained", "hf_assisted_constrained", "llamacpp_unconstrained", "llamacpp_constrained",
+              "llamacpp_lookup_constrained")
 DEFAULT_MODES = ("hf_unconstrained", "constrained", "forced", "lookup", "mtp", "draft_model",
                  "hf_assisted_constrained", "llamacpp_constrained", "best")
 # llama.cpp against its own peers and the torch backend (``make bench-llamacpp``; ``--modes llamacpp``)
-MODE_GROUPS = {"llamacpp": ("llamacpp_unconstrained", "llamacpp_constrained", "llamacpp_engine_constrained",
+MODE_GROUPS = {"llamacpp": ("llamacpp_unconstrained", "llamacpp_constrained", "llamacpp_lookup_constrained",
+                            "llamacpp_engine_constrained",
                             "llamacpp_engine_lookup", "llamacpp_engine_best", "constrained", "best")}
 
 
@@ -162,11 +164,13 @@ class Bench:
         num_draft_tokens: γ for the speculative modes (``best`` uses the Generator's default γ).
         max_new_tokens: output budget per decode.
         prompt_lookup_num_tokens: HF prompt-lookup candidates per window.
+        peer_lookup_tokens: ``num_pred_tokens`` of llama-cpp-python's ``LlamaPromptLookupDecoding`` in the
+            ``llamacpp_lookup_constrained`` peer (its default: 10).
     """
 
     def __init__(self, loaded: LoadedModel, *, model_spec: str | None = None, draft_model: Any = None,
                  num_draft_tokens: int = 4, max_new_tokens: int = 384, prompt_lookup_num_tokens: int = 4,
-                 mtp_checkpoint: str | None = None, log: Callable[[str], None] = print):
+                 mtp_checkpoint: str | None = None, log: Callable[[str], None] = print, peer_lookup_tokens: int = 10):
         self.loaded = loaded
         self.model_spec = model_spec
         self.max_new_tokens = max_new_tokens
@@ -183,7 +187,8 @@ class Bench:
                 self.draft_error = f"draft model {draft_model!r} cannot be loaded: {e}"
         if mtp_checkpoint is not None:
             self.gen.mtp_checkpoint = mtp_checkpoint  # read by Generator.mtp_head() (decoding/mtp.py)
-        self._llamacpp = None
+        self._llamacpp: dict[bool, Any] = {}  # prompt lookup on? -> its llama.cpp peer
+        self.peer_lookup_tokens = peer_lookup_tokens
         self.generators: dict[str, Generator] = {backend_of(loaded).name: self.gen}  # backend -> its Generator
         self.threads = torch.get_num_threads()
 
@@ -201,14 +206,17 @@ class Bench:
                 self.generators[backend] = Generator(self.model_spec, backend=backend, threads=self.threads)
             except (LlamaCppUnavailableError, ModelNotFoundError) as e:
                 raise SkipMode(str(e)) from None
-        if mode in ("llamacpp_constrained", "llamacpp_unconstrained") and self._llamacpp is None:
+        lookup = mode == "llamacpp_lookup_constrained"
+        if mode in ("llamacpp_constrained", "llamacpp_unconstrained", "llamacpp_lookup_constrained") and \
+                self._llamacpp.get(lookup) is None:
             from .llamacpp_peer import LlamaCppPeer, LlamaCppUnavailable
 
             if self.model_spec is None:
                 raise SkipMode("llama.cpp needs the model's GGUF; the model was passed in already loaded")
             try:
-                self._llamacpp = LlamaCppPeer(self.model_spec, n_threads=self.threads,
-                                              gpu=self.loaded.device.type == "cuda")
+                self._llamacpp[lookup] = LlamaCppPeer(self.model_spec, n_threads=self.threads,
+                                                      gpu=self.loaded.device.type == "cuda",
+                                                      draft_tokens=self.peer_lookup_tokens if lookup else None)
             except (LlamaCppUnavailable, ModelNotFoundError) as e:
                 raise SkipMode(str(e)) from None
 
@@ -227,6 +235,8 @@ class Bench:
             return self._run_hf(p, constrained=True)
         if mode == "llamacpp_constrained":
             return self._run_llamacpp(p)
+        if mode == "llamacpp_lookup_constrained":
+            return self._run_llamacpp(p, lookup=True)
         raise ValueError(f"unknown mode {mode!r}")
 
     def run_ours(self, drafter: str | None, p: BenchPrompt, num_draft_tokens: int | None,
@@ -264,11 +274,11 @@ class Bench:
                    r.mask_seconds if constrained else 0.0, None if constrained else 0.0, r.forward_seconds,
                    drafted=drafted, accepted=accepted)
 
-    def _run_llamacpp(self, p: BenchPrompt, constrained: bool = True) -> Run:
+    def _run_llamacpp(self, p: BenchPrompt, constrained: bool = True, lookup: bool = False) -> Run:
         from .llamacpp_peer import call_gbnf
 
-        r = self._llamacpp.generate(p.ids, call_gbnf(p.call_schema, p.gbnf_root) if constrained else None,
-                                    max_new_tokens=self.max_new_tokens)
+        r = self._llamacpp[lookup].generate(p.ids, call_gbnf(p.call_schema, p.gbnf_root) if constrained else None,
+                                            max_new_tokens=self.max_new_tokens)
         text = self.loaded.tokenizer.decode(r.tokens, skip_special_tokens=False)
         return Run(r.tokens, text, r.truncated, r.seconds, _decode_tps(len(r.tokens), r.seconds, r.prefill_seconds),
-                   len(r.tokens) + (0 if r.truncated else 1), None, None, None, 0.0, None)
+                   r.forwards, None, None, None, 0.0, None)

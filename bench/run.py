@@ -17,11 +17,14 @@ Modes:
     llamacpp_constrained     llama-cpp-python on the same GGUF, GBNF from the call schema (skipped without llama_cpp):
                              the peer a user would pick.
     llamacpp_unconstrained   llama-cpp-python on the same GGUF, greedy, no grammar (stops at EOS).
+    llamacpp_lookup_constrained  llama-cpp-python's own speculative decoding (``LlamaPromptLookupDecoding``,
+                             ``--peer-lookup-tokens`` per window) under the same GBNF: the fastest a llama.cpp user has.
     llamacpp_engine_<d>      our decoder on the llama.cpp backend (``decoding/llamacpp.py``, same GGUF) with drafter
                              <d>: ``llamacpp_engine_constrained`` (one token per forward: that engine's baseline of
                              identity), ``_forced``, ``_schema``, ``_lookup``, ``_best`` (the default drafter and γ).
     best                     the agent's default configuration (``decoding.DEFAULT_DRAFTER``, default γ) on torch.
-    ``--modes llamacpp``     = llamacpp_unconstrained, llamacpp_constrained, llamacpp_engine_constrained,
+    ``--modes llamacpp``     = llamacpp_unconstrained, llamacpp_constrained, llamacpp_lookup_constrained,
+                             llamacpp_engine_constrained,
                              llamacpp_engine_lookup, llamacpp_engine_best, constrained, best.
     (any other row of ``decoding.DRAFTERS``, e.g. ``schema``, ``lookup_mtp``: speculative with that drafter; not in
     the default ``--modes``)
@@ -88,7 +91,7 @@ def load_rows(categories: list[str], data_dir: str | None, limit: int | None,
 def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list[str], *, repeat: int = 1,
                   max_new_tokens: int = 384, num_draft_tokens: int = 4, draft_model: Any = None,
                   model_spec: str | None = None, mtp_checkpoint: str | None = None,
-                  log: Callable[[str], None] = print) -> BenchResult:
+                  log: Callable[[str], None] = print, peer_lookup_tokens: int = 10) -> BenchResult:
     """Run ``modes`` on ``rows`` (``(category, BFCL row)``), interleaved per prompt, ``repeat`` times each.
 
     ``constrained`` is always run (it is the baseline of speedup and identity). Modes that cannot run are skipped
@@ -111,7 +114,8 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
     if not prompts:
         raise ValueError("no prompts")
     bench = Bench(loaded, model_spec=model_spec, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                  max_new_tokens=max_new_tokens, mtp_checkpoint=mtp_checkpoint, log=log)
+                  max_new_tokens=max_new_tokens, mtp_checkpoint=mtp_checkpoint, log=log,
+                  peer_lookup_tokens=peer_lookup_tokens)
     skipped: dict[str, str] = {}
     active = []
     for m in modes:  # warm-up: one decode per mode on the first prompt, not counted; probes optional modes
@@ -156,6 +160,7 @@ def run_benchmark(loaded: LoadedModel, rows: list[tuple[str, dict]], modes: list
 
 
 RATIOS = (("llamacpp_engine_best", "llamacpp_constrained"), ("llamacpp_engine_best", "llamacpp_unconstrained"),
+          ("llamacpp_engine_best", "llamacpp_lookup_constrained"),
           ("llamacpp_engine_best", "best"), ("llamacpp_engine_constrained", "constrained"),
           ("best", "llamacpp_constrained"))
 
@@ -210,6 +215,9 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
                          + f" (default: {', '.join(DEFAULT_MODES)})")
     ap.add_argument("--num-draft-tokens", type=int, default=4, help="γ for forced/lookup/mtp/draft_model and HF's "
                                                                     "assistant (best uses the default γ)")
+    ap.add_argument("--peer-lookup-tokens", type=int, default=10,
+                    help="num_pred_tokens of llama-cpp-python's LlamaPromptLookupDecoding in the "
+                         "llamacpp_lookup_constrained peer (default 10, its own default; its docs suggest 2 on CPU)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -224,11 +232,13 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
     res = run_benchmark(loaded, rows, modes, repeat=args.repeat, max_new_tokens=args.max_new_tokens,
                         num_draft_tokens=args.num_draft_tokens,
                         draft_model=draft_model if draft_model is not None else args.draft_model,
-                        model_spec=model_spec, mtp_checkpoint=args.mtp_checkpoint)
+                        model_spec=model_spec, mtp_checkpoint=args.mtp_checkpoint,
+                        peer_lookup_tokens=args.peer_lookup_tokens)
     meta = machine_meta(argv)
     meta.update(model=loaded.name, model_sha256=loaded.sha256, device=str(loaded.device),
                 dtype=str(loaded.dtype).replace("torch.", ""), categories=categories(args), repeat=args.repeat,
                 max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, split=args.split,
+                peer_lookup_tokens=args.peer_lookup_tokens,
                 ratios=speed_ratios(res),
                 default_drafter=DEFAULT_DRAFTER, n_prompts=len(res.prompts),
                 prompts=[{"id": p.id, "prompt_tokens": len(p.ids)} for p in res.prompts],

@@ -128,8 +128,9 @@ class Backend:
         name: the row's key (``backend=``, ``--backend``).
         summary: one line for the CLI's help.
         model_type: the class of the loaded models this backend produces (how a loaded model finds its row).
-        load: ``load(spec, device=, dtype=, threads=) -> LoadedTarget`` (offline; raises ``ModelNotFoundError``,
-            ``ValueError`` for arguments that do not apply to the backend, and the backend's own errors).
+        load: ``load(spec, device=, dtype=, threads=, ctx_size=) -> LoadedTarget`` (offline; raises
+            ``ModelNotFoundError``, ``ValueError`` for arguments that do not apply to the backend, and the backend's
+            own errors).
         new_target: ``new_target(loaded, kv_cache) -> TargetModel``, a fresh forward wrapper for one decode.
         provides: what drafters may need that this backend gives (:data:`HIDDEN_STATES`, :data:`TORCH_WEIGHTS`).
         portable: ``portable(loaded) -> (model, load kwargs)`` to rebuild the loaded model in another process (Ray):
@@ -155,19 +156,25 @@ class Backend:
         return set(needs) <= self.provides
 
 
-def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None) -> LoadedModel:
+def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
+                ctx_size: int | None = None) -> LoadedModel:
     check_threads(threads)
+    if ctx_size is not None:
+        raise ValueError(f"ctx_size={ctx_size} sizes the llama.cpp backend's KV cache (backend='llamacpp'); the torch "
+                         f"backend's cache grows with the sequence up to the model's context")
     if threads is not None:  # torch's intra-op threads are per process
         torch.set_num_threads(threads)
     return load_model(spec, device=device, dtype=dtype)
 
 
 def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
-                   threads: int | None = None) -> LlamaCppModel:
+                   threads: int | None = None, ctx_size: int | None = None) -> LlamaCppModel:
     if device != "cpu" or dtype not in ("float32", "fp32"):
         raise ValueError(f"backend='llamacpp' runs the GGUF as shipped on the CPU: device={device!r}, "
                          f"dtype={dtype!r} apply to backend='torch' only")
-    return load_llamacpp(spec, n_threads=threads)
+    if ctx_size is not None and ctx_size < 2:
+        raise ValueError(f"ctx_size must be >= 2 KV cache positions (prompt + output), got {ctx_size}")
+    return load_llamacpp(spec, n_threads=threads, **({} if ctx_size is None else {"n_ctx": ctx_size}))
 
 
 BACKENDS: dict[str, Backend] = {
@@ -179,7 +186,8 @@ BACKENDS: dict[str, Backend] = {
     "llamacpp": Backend(
         "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`)",
         LlamaCppModel, _load_llamacpp, lambda loaded, kv_cache: loaded.new_lm(),
-        portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads}),
+        portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
+                                                    "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
         bench_prefix="llamacpp_engine_"),
 }

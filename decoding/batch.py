@@ -219,6 +219,9 @@ class BatchScheduler:
         self.max_rows_seen = 0  # the most tokens one step decoded
         self.max_sequences_seen = 0  # the most sequences one step decoded
         self.copies = 0  # prompt prefixes copied from another slot (seq_cp) instead of prefilled
+        self.step_tokens = 0  # tokens of all steps' decodes (verify rows + prefill chunks; metrics: per step)
+        self.step_sequences = 0  # sequences of all steps' decodes (metrics: sequences per step)
+        self.aborted = 0  # sequences that left unfinished (on_step raised: cancelled, timed out; or failed)
         self._thread = threading.Thread(target=self._loop, name="batch-scheduler", daemon=True)
         self._thread.start()
 
@@ -264,8 +267,19 @@ class BatchScheduler:
 
     @property
     def active(self) -> int:
-        """Sequences holding a slot now."""
+        """Sequences holding a slot now (decoding, or prefilling their prompt)."""
         return sum(r is not None for r in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        """Sequences waiting for a free slot."""
+        return len(self._waiting)
+
+    @property
+    def kv_positions(self) -> int:
+        """KV cache positions held by the sequences holding a slot (a free slot's cached prefix not counted); of
+        ``max_batch × seq_ctx``. Read from any thread (Python-side bookkeeping, no llama.cpp call)."""
+        return sum(len(self.ctx.tokens[s]) for s, r in enumerate(list(self._slots)) if r is not None)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop admitting; sequences in flight finish, waiting ones fail with :class:`SchedulerClosedError`."""
@@ -366,6 +380,8 @@ class BatchScheduler:
             return
         seconds = time.perf_counter() - t0
         self.steps += 1
+        self.step_tokens += sum(len(p[1]) for p in parts)
+        self.step_sequences += len(parts)
         self.max_rows_seen = max(self.max_rows_seen, sum(len(p[1]) for p in parts))
         self.max_sequences_seen = max(self.max_sequences_seen, len(parts))
         for (s, needed, n_rows), out in zip(plans, outs):
@@ -430,6 +446,7 @@ class BatchScheduler:
         if error is not None:
             self.ctx.crop(s, 0)  # llama_memory_seq_rm of the whole sequence: nothing of it stays
             self._big[s] = 0
+            self.aborted += 1
         with self._cond:
             self._slots[s] = None
             self._last_used[s] = time.monotonic()

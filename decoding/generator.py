@@ -60,22 +60,26 @@ class Generator:
             torch); ``engine`` is its alias.
         threads: CPU threads of the llama.cpp backend (default: the physical cores this process may use,
             :func:`decoding.llamacpp.default_threads`; ``1`` is the identity configuration, batch-invariant rows).
+        ctx_size: KV cache positions per sequence of the llama.cpp backend, prompt + output (llama.cpp's ``-c`` /
+            ``--ctx-size``; default :data:`decoding.llamacpp.DEFAULT_N_CTX`, capped by the model's training
+            context); a prompt that does not fit is refused with a ``ValueError`` naming both lengths.
 
     Raises:
-        ValueError: unknown backend or drafter, a drafter the backend cannot run, ``device``/``dtype`` that do not
-            apply to the backend.
+        ValueError: unknown backend or drafter, a drafter the backend cannot run, ``device``/``dtype``/``ctx_size``
+            that do not apply to the backend.
         LlamaCppUnavailableError: ``backend="llamacpp"`` without llama-cpp-python installed.
     """
 
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
                  device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
-                 threads: int | None = None, kv_cache: str | None = None):
+                 threads: int | None = None, kv_cache: str | None = None, ctx_size: int | None = None):
         name = backend_name(backend, engine, model=model if isinstance(model, str) else None, device=device,
                             dtype=dtype, needs=DRAFTERS[drafter].needs if drafter in DRAFTERS else frozenset())
         if isinstance(model, str):
             self.backend: Backend = BACKENDS[name]
-            self.loaded = self.backend.load(model, device=device, dtype=dtype, threads=threads)
+            self.loaded = self.backend.load(model, device=device, dtype=dtype, threads=threads,
+                                            **({} if ctx_size is None else {"ctx_size": ctx_size}))
         else:
             self.backend = backend_of(model)
             self.loaded = model

@@ -77,5 +77,5 @@ def test_local_engine_is_an_engine_and_returns_a_parsed_turn(spy):
     turn = engine.turn([{"role": "user", "content": "x"}], list(agent.registry), "required",
                        config=EngineConfig(max_string_length=8, max_new_tokens=40))
     assert isinstance(turn, DecodedTurn) and turn.is_call and turn.stop_reason != "length"
-    assert [c["name"] for c in turn.calls] == ["lookup"] and turn.text[0] in engine.call_start_chars
+    assert [c["name"] for c in turn.calls] == ["lookup"] and turn.text.startswith(engine.call_prefixes)
     assert turn.stats.new_tokens == len(spy.tokenizer.encode(turn.text, add_special_tokens=False))

@@ -212,3 +212,20 @@ def test_a_new_row_in_formats_reaches_the_cli_the_agent_and_the_benchmark(monkey
     [p] = build_prompts(tiny_target.tokenizer, [("simple_python", row)], tool_format="newfmt")
     assert type(p.fmt) is NewFormat and p.gbnf_root == '"<new>" call "</new>"'
     assert p.ids == GenericFormat(tiny_target.tokenizer).render(p.turn.messages, p.turn.tools)
+
+
+@pytest.mark.parametrize("text,opens_call", [("hello", False), ("`x", False), ("``", None), ("```python\n", False),
+                                             ("```json", True), ('{"name"', True), ("<tool_call>", True)])
+def test_a_streamed_auto_answer_is_held_until_its_start_shows_it_is_no_call(text, opens_call):
+    from agent.formats.hermes import HermesFormat
+    from agent.engine import EngineConfig
+    from agent.openai_protocol import TextStream, parse_chat_request
+
+    req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                             EngineConfig(), ("m",))
+    stream = TextStream(req, HermesFormat(None).call_prefixes())
+    sent = stream.feed(text)
+    assert (sent == text) if opens_call is False else sent == ""
+    assert stream.live == (opens_call is not True)  # a call is sent once validated, never as content
+    assert stream.may_call == (opens_call is not False)  # undecided while the start may still open a call

@@ -180,19 +180,23 @@ def test_bench_runs_the_llamacpp_modes_side_by_side(tmp_path):
     from conftest import FIXTURES
 
     rc = run.main(["--model", "smollm2", "--data-dir", str(FIXTURES), "--limit", "2", "--threads", "1",
-                   "--modes", "llamacpp_unconstrained,llamacpp_constrained,llamacpp_engine_lookup,llamacpp_engine_best",
+                   "--modes", "llamacpp_unconstrained,llamacpp_constrained,llamacpp_lookup_constrained,"
+                   "llamacpp_engine_lookup,llamacpp_engine_best",
                    "--max-new-tokens", "96", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "results.json").read_text())
     meta = data.pop("meta")
     assert not meta["skipped"]
     assert set(data) == {"constrained", "llamacpp_engine_constrained", "llamacpp_unconstrained", "llamacpp_constrained",
-                         "llamacpp_engine_lookup", "llamacpp_engine_best"}
+                         "llamacpp_lookup_constrained", "llamacpp_engine_lookup", "llamacpp_engine_best"}
     for mode in ("llamacpp_engine_constrained", "llamacpp_engine_lookup", "llamacpp_engine_best"):
         assert data[mode]["valid"] == 1.0 and data[mode]["identical_to_constrained"] == 1.0, mode
     assert data["llamacpp_engine_lookup"]["tokens_per_forward"] > 1.0
-    assert {"llamacpp_engine_best / llamacpp_constrained", "llamacpp_engine_best / llamacpp_unconstrained"} <= \
-        set(meta["ratios"])
+    # llama.cpp's own speculative decoding (prompt lookup) under its grammar: valid, more than a token per eval
+    assert data["llamacpp_lookup_constrained"]["valid"] == 1.0
+    assert data["llamacpp_lookup_constrained"]["tokens_per_forward"] > 1.0
+    assert {"llamacpp_engine_best / llamacpp_constrained", "llamacpp_engine_best / llamacpp_unconstrained",
+            "llamacpp_engine_best / llamacpp_lookup_constrained"} <= set(meta["ratios"])
 
 
 def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
@@ -248,3 +252,19 @@ def test_requantised_weights_load_by_tag_with_the_shipped_tokenizer_and_stay_bat
     shipped = cpp1.new_lm()
     shipped.reset()
     assert not torch.equal(batched, shipped.forward(list(range(300, 420)) + window, num_logits=33)[0])
+
+
+def test_ctx_size_sizes_the_kv_cache_and_a_prompt_past_it_is_refused():
+    from agent.__main__ import main
+    from decoding import ContextLengthError
+
+    small = Generator("smollm2", backend="llamacpp", threads=1, ctx_size=256)
+    assert small.loaded.n_ctx == 256 and small.context_length == 256
+    with pytest.raises(ContextLengthError, match="256"):
+        small.generate([1] * 300, turn_grammar([], "none", parallel=False), max_new_tokens=4)
+    with pytest.raises(ValueError, match="llama.cpp"):
+        Generator("smollm2", backend="torch", ctx_size=256)
+    agent = Agent("smollm2", backend="llamacpp", threads=1, ctx_size=512)
+    assert agent.engine.generator.loaded.n_ctx == 512
+    assert agent.engine.spec()[2]["ctx_size"] == 512  # travels to Ray workers and batch copies
+    assert main(["demo", "--model", "smollm2", "--ctx-size", "1"]) == 2  # refused before anything loads

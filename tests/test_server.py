@@ -212,7 +212,7 @@ class GatedEngine:
     """A LocalEngine whose turns wait for a gate (to fill the queue) and fail on demand (a generation error)."""
 
     def __init__(self, engine: LocalEngine):
-        self.engine, self.call_start_chars, self.name = engine, engine.call_start_chars, "gated"
+        self.engine, self.call_prefixes, self.name = engine, engine.call_prefixes, "gated"
         self.gate = threading.Event()
         self.fail = False
 

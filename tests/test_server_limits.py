@@ -259,6 +259,7 @@ def test_metrics_are_prometheus_text(url):
                  "specagent_generated_tokens_total", "specagent_queue_length 0.0", "specagent_in_flight 0.0",
                  "specagent_request_latency_seconds_count", "specagent_acceptance_rate"):
         assert line in text, line
+    assert "specagent_batch_" not in text  # no batch scheduler: its metrics are tests/test_server_batching.py's
 
 
 def test_sigterm_drains_new_requests_get_503_and_in_flight_ones_finish(engine):

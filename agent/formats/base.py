@@ -102,8 +102,7 @@ class ToolFormat:
                 answer = narrow_for_grammar(response_format, lenient=lenient_answer, compiles=schema_compiles)
                 rules.append(f"answer: {lark_json(answer, separators=SEPARATORS, lenient=lenient_answer)}")
             else:
-                first = self.answer_first_char_excluded() if start else ""
-                rules.append(f"answer: TEXT\nTEXT: /[^{re.escape(first)}\\s](.|\\n)*/")
+                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(self.call_prefixes() if start else ())}/")
             start.append("answer")
         return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
 
@@ -153,9 +152,11 @@ class ToolFormat:
         """The call schema ``{"name", "arguments"}`` as this family writes it (default: unchanged)."""
         return schema
 
-    def answer_first_char_excluded(self) -> str:
-        """Characters a text answer may not start with when calls are allowed (so an answer never opens a call)."""
-        return "<"
+    def call_prefixes(self) -> tuple[str, ...]:
+        """What the text of a call turn may start with in this format: with calls allowed, a text answer starts with
+        none of these (so an answer never opens a call, and a turn cut early is known to be a call). Default
+        ``("<",)``."""
+        return ("<",)
 
     def check_parallel(self, parallel: bool | None) -> bool:
         if parallel is None:
@@ -199,6 +200,26 @@ class ToolFormat:
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)
         return ids
+
+
+def answer_text_regex(excluded: tuple[str, ...] | list[str]) -> str:
+    """A regex (llguidance's Lark dialect, no delimiters) of a non-empty text answer: its first character is not
+    whitespace and it starts with none of ``excluded`` (a text that is a proper prefix of one, e.g. a lone
+    ``"`"`` for ``"```json"``, is allowed). Built from the prefixes' trie, since the dialect has no lookahead."""
+    def esc(c: str) -> str:
+        return "\\" + c if c in "\\]^-[/" else ("\\n" if c == "\n" else c)
+
+    def node(prefixes: list[str], top: bool) -> str:
+        firsts = sorted({p[0] for p in prefixes})
+        alts = ["[^" + "".join(esc(c) for c in firsts) + ("\\s" if top else "") + "](.|\\n)*"]
+        for c in firsts:
+            rest = [p[1:] for p in prefixes if p[0] == c]
+            if "" not in rest:  # c opens no whole prefix yet: what may follow it
+                alts.append(f"{esc(c)}({node(rest, False)})?")
+        return "|".join(alts) if len(alts) > 1 else alts[0]
+
+    prefixes = [p for p in excluded if p]
+    return node(prefixes, True) if prefixes else "[^\\s](.|\\n)*"
 
 
 def single_added_token(tokenizer, text: str) -> int | None:

@@ -44,8 +44,8 @@ class Llama3JsonFormat(ToolFormat):
     def gbnf_root(self) -> str:
         return "call"
 
-    def answer_first_char_excluded(self) -> str:
-        return "{"
+    def call_prefixes(self) -> tuple[str, ...]:
+        return ("{",)
 
     def is_call(self, text: str) -> bool:
         return text.lstrip().startswith('{"name"')
