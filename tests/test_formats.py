@@ -3,6 +3,7 @@ chat template (written in tests/fixtures/chat_templates) and added marker tokens
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -217,15 +218,19 @@ def test_a_new_row_in_formats_reaches_the_cli_the_agent_and_the_benchmark(monkey
 @pytest.mark.parametrize("text,opens_call", [("hello", False), ("`x", False), ("``", None), ("```python\n", False),
                                              ("```json", True), ('{"name"', True), ("<tool_call>", True)])
 def test_a_streamed_auto_answer_is_held_until_its_start_shows_it_is_no_call(text, opens_call):
-    from agent.formats.hermes import HermesFormat
+    """TextStream with a format whose calls may open with a multi-character prefix (here ``"```json"``)."""
     from agent.engine import EngineConfig
+    from agent.formats.base import answer_text_regex
     from agent.openai_protocol import TextStream, parse_chat_request
 
+    prefixes = ("<", "{", "```json")
     req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}],
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
                              EngineConfig(), ("m",))
-    stream = TextStream(req, HermesFormat(None).call_prefixes())
+    stream = TextStream(req, prefixes)
     sent = stream.feed(text)
     assert (sent == text) if opens_call is False else sent == ""
     assert stream.live == (opens_call is not True)  # a call is sent once validated, never as content
     assert stream.may_call == (opens_call is not False)  # undecided while the start may still open a call
+    # the grammar's answer rule agrees: an answer never starts with a call prefix (a proper prefix of one is text)
+    assert bool(re.fullmatch(answer_text_regex(prefixes), text + " x")) == (opens_call is not True)

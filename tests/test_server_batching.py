@@ -12,12 +12,10 @@ how these tests keep requests in flight. Servers bind 127.0.0.1; every load is a
 """
 from __future__ import annotations
 
-import http.client
 import json
 import re
 import threading
 import time
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -27,7 +25,7 @@ from agent.engine import EngineConfig, LocalEngine  # noqa: E402
 from agent.server import Cancelled, ServerThread, create_app  # noqa: E402
 from decoding import Generator, load_llamacpp  # noqa: E402
 
-from test_server_limits import in_flight, post, request, wait_until  # noqa: E402
+from test_server_limits import in_flight, open_stream, post, request, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.model
 
@@ -163,17 +161,7 @@ def test_a_stream_closed_after_its_first_chunks_leaves_the_batch_and_frees_its_s
         reference = content(alone.text)
         hooked.ended.clear()
 
-        u = urlsplit(url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", u.path + "/chat/completions", json.dumps(body(stream=True)),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200
-        chunks = []
-        while len(chunks) < 3:
-            line = r.fp.readline()
-            if line.startswith(b"data: "):
-                chunks.append(line)
+        conn, r = open_stream(url, body(stream=True), 3)
         beside = []
         other = threading.Thread(target=lambda: beside.append(
             post(url + "/chat/completions", body(OTHER, stream=True, max_tokens=16))))

@@ -83,6 +83,20 @@ def body(**kw) -> dict:
     return out
 
 
+def open_stream(url: str, payload: dict, chunks: int):
+    """Start a streamed completion on a raw connection and read its first ``chunks`` events: ``(conn, response)``,
+    still open (close both to leave as a client does)."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", u.path + "/chat/completions", json.dumps(payload), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    read = 0
+    while read < chunks:
+        read += r.fp.readline().startswith(b"data: ")
+    return conn, r
+
+
 def in_flight(url: str) -> int:
     return request("GET", url.removesuffix("/v1") + "/health", timeout=10).json()["in_flight"]
 
@@ -122,18 +136,7 @@ def test_streams_are_counted_before_their_response_starts_and_the_excess_gets_42
 def test_a_stream_closed_after_two_chunks_stops_its_decode_and_frees_its_slot(engine):
     slow = SlowEngine(engine)
     with ServerThread(create_app(slow, config=CONFIG)) as url:
-        u = urlsplit(url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-        conn.request("POST", u.path + "/chat/completions",
-                     json.dumps(body(stream=True, tool_choice="none", max_tokens=400)),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        assert r.status == 200
-        chunks = []
-        while len(chunks) < 2:
-            line = r.fp.readline()
-            if line.startswith(b"data: "):
-                chunks.append(line)
+        conn, r = open_stream(url, body(stream=True, tool_choice="none", max_tokens=400), 2)
         r.close()
         conn.close()  # the client leaves after two chunks
         t0 = time.monotonic()

@@ -294,41 +294,16 @@ def test_min_calls_masks_the_models_end_until_that_many_calls(smol_dir):
 FENCED = "```json\n" + json.dumps({"name": "get_weather", "arguments": OSLO}) + "\n```"
 
 
-@pytest.mark.parametrize("drafter", ["none", "lookup"])
-def test_hermes_takes_a_json_fenced_call_under_auto_as_a_call(smol_dir, drafter):
-    """Qwen2.5-Coder-1.5B's free layout is one call in a ```json fence: under ``tool_choice="auto"`` it is a call
-    (before, the grammar took it as a text answer, and the demo on the 1.5B called no tool)."""
-    fmt, gen = scripted(smol_dir, "hermes", FENCED + "\n", "<|endoftext|>")
+def test_hermes_takes_a_json_fence_under_auto_as_text_and_required_still_calls(smol_dir):
+    """Both Qwen2.5-Coder models write a ```json fence where no tool fits (dev split: taking it as a call cost the
+    0.5B its irrelevance), so under ``auto`` it is text, as vLLM's hermes parser reads it."""
+    fmt, gen = scripted(smol_dir, "hermes", FENCED, "<|im_end|>")
     engine = LocalEngine(gen)
     turn = engine.turn([{"role": "user", "content": "Weather in Oslo?"}], [WEATHER], "auto",
-                       config=EngineConfig(drafter=drafter, max_new_tokens=120))
-    assert turn.is_call and turn.calls == [{"name": "get_weather", "arguments": OSLO}], turn.text
-    assert turn.stop_reason == "eos"
-    res = Agent(engine, [WEATHER]).run("Weather in Oslo?", max_new_tokens=120, max_steps=1)
-    assert [(c.name, c.arguments) for c in res.pending_calls] == [("get_weather", OSLO)]
-
-
-def test_hermes_answers_may_open_another_code_fence_but_not_a_json_one(smol_dir):
-    fmt, gen = scripted(smol_dir, "hermes", "```python\nprint(1)\n```", "<|im_end|>")
-    turn = LocalEngine(gen).turn([{"role": "user", "content": "Code?"}], [WEATHER], "auto",
-                                 config=EngineConfig(max_new_tokens=60))
-    assert not turn.is_call and turn.calls is None and turn.text == "```python\nprint(1)\n```"
-    state = gen.new_state(fmt.turn_grammar([WEATHER], "auto"))
-    # a ```json fence holds a call: "```json\nhello" is neither a call nor an answer
-    assert state.valid_prefix_len(gen.tokenizer.encode("```json\nhello", add_special_tokens=False)) < \
-        len(gen.tokenizer.encode("```json\nhello", add_special_tokens=False))
-
-
-def test_a_streamed_fenced_call_sends_no_content(smol_dir):
-    fmt, gen = scripted(smol_dir, "hermes", FENCED, "<|im_end|>")
-    with ServerThread(create_app(LocalEngine(gen), model_name="scripted")) as url:
-        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-        chunks = list(client.chat.completions.create(
-            model="scripted", messages=[{"role": "user", "content": "Oslo?"}], stream=True, max_tokens=120,
-            tools=[{"type": "function", "function": {"name": WEATHER.name, "description": WEATHER.description,
-                                                     "parameters": WEATHER.parameters}}]))
-    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
-    args = "".join(tc.function.arguments or "" for c in chunks if c.choices
-                   for tc in c.choices[0].delta.tool_calls or [])
-    assert json.loads(args) == OSLO
+                       config=EngineConfig(max_new_tokens=120))
+    assert not turn.is_call and turn.calls is None and turn.text == FENCED
+    turn = engine.turn([{"role": "user", "content": "Weather in Oslo?"}], [WEATHER], "required",
+                       config=EngineConfig(max_new_tokens=120))
+    # the grammar keeps the scripted model off the fence: a call in a layout it parses, valid for the tool
+    assert [c["name"] for c in turn.calls] == ["get_weather"] and not turn.text.startswith("```")
+    WEATHER.make_call(turn.calls[0]["arguments"])

@@ -13,10 +13,14 @@ earlier calls and tool results go through the template's own roles. A turn write
 
 The same call objects written bare, one per line, with no marker, are accepted too: Qwen2.5-Coder-Instruct writes
 its calls that way (measured on Qwen2.5-Coder-0.5B for "What is 2 plus 40?" with an ``add`` tool: first-token
-probability 0.74 for ``{"``, 4e-11 for ``<tool_call>``). So is one call object in a Markdown ``json`` fence
-(```` ```json\\n{call}\\n``` ````), the layout Qwen2.5-Coder-1.5B-Instruct writes when free (every free turn of
-the 1.5B on the benchmark's tool questions opened one; vLLM's hermes parser takes it as text). The model picks the
-layout; all parse the same. A text answer may then not start with ``<``, ``{`` or ```` ```json ````.
+probability 0.74 for ``{"``, 4e-11 for ``<tool_call>``). The model picks the layout; both parse the same. A text
+answer may then not start with ``<`` or ``{``.
+
+A call object in a Markdown fence (```` ```json ````) is text, as vLLM's hermes parser reads it. Both Qwen2.5-Coder
+models write that fence when no tool fits the question; the 1.5B writes its calls that way too. Measured on the dev
+split (docs/benchmarks.md, "Fenced calls"), taking the fence as a call cost Qwen2.5-Coder-0.5B its irrelevance
+(1 of 16 questions answered without a call, from 1.00) and left its other categories within a question or two, so
+the fence stays text: under ``tool_choice="auto"`` the 1.5B answers in fenced text, and ``"required"`` makes it call.
 
 After tool results the turn is rendered the way ``generic`` renders it (a short answer instruction instead of the
 tool list) and only the marked layout can call again: with the tool list and bare calls allowed, Qwen2.5-Coder-0.5B
@@ -36,9 +40,7 @@ from .base import ToolFormat, openai_tools, template_chat
 from .chat import ANSWER_SYSTEM_PROMPT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
-_FENCE = re.compile(re.escape(FENCE_OPEN) + r"(.*?)" + re.escape(FENCE_CLOSE), re.S)
 
 
 class HermesFormat(ToolFormat):
@@ -60,10 +62,9 @@ class HermesFormat(ToolFormat):
         block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
         if after_results:
             return f'{block} ("\\n" {block})*' if parallel else block
-        fence = f"{json.dumps(FENCE_OPEN)} call {json.dumps(FENCE_CLOSE)}"
         if not parallel:
-            return f"{block} | call | {fence}"
-        return f'{block} ("\\n" {block})* | call ("\\n" call)* | {fence} ("\\n" {fence})*'
+            return f"{block} | call"
+        return f'{block} ("\\n" {block})* | call ("\\n" call)*'
 
     def several_calls_rule(self, after_results: bool = False, min_calls: int = 2) -> str:
         block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
@@ -74,22 +75,19 @@ class HermesFormat(ToolFormat):
         return f'"{OPEN}\\n" call "\\n{CLOSE}" | call'
 
     def call_prefixes(self) -> tuple[str, ...]:
-        return "<", "{", FENCE_OPEN.rstrip()
+        return "<", "{"
 
     def is_call(self, text: str) -> bool:
         s = text.lstrip()
-        return s.startswith((OPEN, '{"name"', FENCE_OPEN))
+        return s.startswith(OPEN) or s.startswith('{"name"')
 
     def parse(self, text: str) -> tuple[list[dict] | None, str]:
         if not self.is_call(text):
             return None, text
         s = text.strip()
-        if s.startswith((OPEN, FENCE_OPEN)):
-            bodies = (_BLOCK if s.startswith(OPEN) else _FENCE).findall(s)
-        else:
-            bodies = [obj for obj, _ in _bare_objects(s)]
+        bodies = _BLOCK.findall(s) if s.startswith(OPEN) else [obj for obj, _ in _bare_objects(s)]
         if not bodies:
-            raise ValueError(f"no complete {OPEN} block or ```json fence in {text[:80]!r}")
+            raise ValueError(f"no complete {OPEN} block in {text[:80]!r}")
         calls = []
         for body in bodies:
             obj = json.loads(body) if isinstance(body, str) else body
@@ -98,8 +96,8 @@ class HermesFormat(ToolFormat):
 
     def complete_calls(self, text: str) -> list[tuple[dict, int]]:
         s = text.lstrip()
-        if s.startswith((OPEN, FENCE_OPEN)):
-            found = ((m.group(1), m.end()) for m in (_BLOCK if s.startswith(OPEN) else _FENCE).finditer(text))
+        if s.startswith(OPEN):
+            found = ((m.group(1), m.end()) for m in _BLOCK.finditer(text))
         elif s.startswith('{"name"'):
             found = _bare_objects(text, len(text) - len(s), whole=False)
         else:
