@@ -64,7 +64,7 @@ class LlamaCppRun:
     truncated: bool
     seconds: float  # wall time, prefill included (s)
     prefill_seconds: float  # time to the first token (s)
-    forwards: int  # llama.cpp evals after the prefill (one per token, or per verified draft window)
+    forwards: int  # llama.cpp evals: the prompt's (it gives the first token), then one per token or draft window
 
 
 class LlamaCppPeer:
@@ -120,4 +120,4 @@ class LlamaCppPeer:
             if len(tokens) >= max_new_tokens:
                 break
         t1 = time.perf_counter()
-        return LlamaCppRun(tokens, truncated, t1 - t0, (t_first or t1) - t0, max(self.evals - 1, 0))
+        return LlamaCppRun(tokens, truncated, t1 - t0, (t_first or t1) - t0, self.evals)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .llamacpp import LlamaCppModel, available as llamacpp_available, is_gguf, load_llamacpp
+from .llamacpp import DEFAULT_N_CTX, LlamaCppModel, available as llamacpp_available, is_gguf, load_llamacpp
 from .loader import LoadedModel, check_threads, load_model
 from .model import CausalLM
 
@@ -174,7 +174,7 @@ def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
                          f"dtype={dtype!r} apply to backend='torch' only")
     if ctx_size is not None and ctx_size < 2:
         raise ValueError(f"ctx_size must be >= 2 KV cache positions (prompt + output), got {ctx_size}")
-    return load_llamacpp(spec, n_threads=threads, **({} if ctx_size is None else {"n_ctx": ctx_size}))
+    return load_llamacpp(spec, n_threads=threads, n_ctx=DEFAULT_N_CTX if ctx_size is None else ctx_size)
 
 
 BACKENDS: dict[str, Backend] = {

@@ -380,9 +380,10 @@ class BatchScheduler:
             return
         seconds = time.perf_counter() - t0
         self.steps += 1
-        self.step_tokens += sum(len(p[1]) for p in parts)
+        step_rows = sum(len(p[1]) for p in parts)
+        self.step_tokens += step_rows
         self.step_sequences += len(parts)
-        self.max_rows_seen = max(self.max_rows_seen, sum(len(p[1]) for p in parts))
+        self.max_rows_seen = max(self.max_rows_seen, step_rows)
         self.max_sequences_seen = max(self.max_sequences_seen, len(parts))
         for (s, needed, n_rows), out in zip(plans, outs):
             req = self._slots[s]
