@@ -20,6 +20,7 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
+from .parallel_calls import ParallelCallsEnd, conversation_text
 from .tool_choice import filter_tools
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
@@ -39,8 +40,9 @@ class EngineConfig:
         max_decimals: grammar bound on numbers: decimals, no exponent, ``|x| <= 1e15`` (None: unbounded).
         temperature, top_p, seed: sampling (greedy when ``temperature`` is 0).
         max_new_tokens: output budget of one turn (tokens).
-        max_parallel_calls: the most calls one several-call turn returns (:class:`ParallelCallsEnd`: the turn
-            also ends at the first call that repeats an earlier one).
+        max_parallel_calls: the most calls one several-call turn returns (``agent.parallel_calls``: the turn also
+            ends at the first call that repeats an earlier one, and where several are asked for at the first one
+            past the second that brings no new value from the conversation).
         count_masked_ends: for a turn cut by the budget, replay it once more (one teacher-forced forward) and count
             in ``stats.masked_end_argmax`` the positions where the model's argmax was an end-of-generation token the
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
@@ -138,10 +140,12 @@ class Engine(Protocol):
             response_format: JSON Schema of a structured answer, or None for free text; a local engine also takes
                 a :class:`schemas.ResponseFormat`, whose ``strict=False`` relaxes the grammar (validated after).
             parallel_tool_calls: ``False``: one call; ``None`` (default): several allowed where the format has a
-                layout for them; ``True``: several asked for (``ToolFormat.several_calls_rule``: hermes writes at
-                least two marked blocks). A several-call turn ends at the first call that repeats an earlier one,
-                at ``config.max_parallel_calls`` calls (:class:`ParallelCallsEnd`), where the model ends it, or at
-                the budget (then its whole calls are returned).
+                layout for them, the model ends the turn; ``True``: several asked for
+                (``ToolFormat.several_calls_rule``: hermes writes marked blocks and its end is masked). A
+                several-call turn ends at the first call that repeats an earlier one, at
+                ``config.max_parallel_calls`` calls, where several are asked for (hermes) at the first call past the
+                second that brings no new value from the conversation (``agent.parallel_calls``), where the model
+                ends it (if it may), or at the budget (then its whole calls are returned).
             config: drafter, γ, caps, sampling and budget.
             on_text: called with each new piece of text as it is decoded (streaming).
         """
@@ -225,7 +229,11 @@ class LocalEngine:
         ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
                                                     parallel_tool_calls, config)
         parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
-        end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls) if parallel else None
+        # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
+        # the turn (ParallelCallsEnd)
+        masked = parallel_tool_calls is True and self.format.counts_calls
+        end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
+                                    context=conversation_text(messages) if masked else None) if parallel else None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, on_text=on_text, stop_when=end_rule)
@@ -281,7 +289,8 @@ class LocalEngine:
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
                                            lenient_answer=not strict, max_string_length=config.max_string_length,
                                            max_decimals=config.max_decimals,
-                                           after_results=messages[-1]["role"] == "tool")
+                                           after_results=messages[-1]["role"] == "tool",
+                                           min_calls=config.max_parallel_calls + 1)  # the model's end masked
         return self.format.render(messages, list(tools)), grammar, allowed, mode
 
     def _accepts(self, grammar, tokens: list[int]) -> bool:
@@ -291,38 +300,6 @@ class LocalEngine:
             return False
         state.consume_many(tokens)
         return state.is_accepting()
-
-
-class ParallelCallsEnd:
-    """The end rule of a several-call turn, passed to ``Generator.generate(stop_when=…)``: the turn ends at the
-    first call that repeats an earlier one exactly (the repeat is dropped: no call is returned twice) or once it
-    holds ``max_calls`` calls, whether or not the model chooses to stop. Small models that continue in the marked
-    layout write the right calls and then repeat them until the budget.
-
-    The decode stops at the first committed step whose text completes the repeat, so its token count (``stats``)
-    includes the dropped call and whatever that step committed past it: a speculative step may commit more than one
-    token per forward, so counts differ between drafters while the kept text does not. Streamed text (``on_text``)
-    stops before that step; the start of the dropped call may have been streamed.
-
-    Attributes:
-        text: the turn's text to keep once the rule fired (the calls before the repeat, or the first
-            ``max_calls``, closed as the format needs); None while it has not.
-    """
-
-    def __init__(self, fmt: ToolFormat, max_calls: int):
-        self.fmt, self.max_calls = fmt, max_calls
-        self.text: str | None = None
-
-    def __call__(self, text: str) -> bool:
-        found = self.fmt.complete_calls(text)
-        calls = [c for c, _ in found]
-        keep = next((i for i in range(1, len(calls)) if calls[i] in calls[:i]), None)
-        if keep is None and len(calls) >= self.max_calls:
-            keep = self.max_calls
-        if keep is None:
-            return False
-        self.text = self.fmt.calls_text(text, found[keep - 1][1])
-        return True
 
 
 def build_engine(spec: tuple) -> Engine:

@@ -40,9 +40,9 @@ class TargetModel(Protocol):
     end (rollback after rejected draft tokens). One object per decode; it may reuse a cache the backend keeps per
     thread (``reuse_prefix``).
 
-    Room for what comes next: several sequences in one forward (continuous batching) will add a sequence id to
-    ``forward``/``crop`` (llama.cpp's ``seq_id``); a backend row states how many it runs at once
-    (:attr:`Backend.max_sequences`).
+    Several sequences in one forward (continuous batching) do not go through this protocol: a backend row that
+    batches names its scheduler (:attr:`Backend.batcher`; llama.cpp: ``decoding.batch.BatchScheduler``, one
+    ``seq_id`` per sequence).
     """
 
     device: torch.device
@@ -137,7 +137,9 @@ class Backend:
             the model itself where it pickles, else its file and the arguments it was loaded with.
         describe: ``describe(loaded) -> str``, where it runs, for start-up lines (``"torch on cpu"``).
         bench_prefix: prefix of the benchmark's mode names for this backend's decoding modes.
-        max_sequences: sequences one forward may carry (1 until continuous batching).
+        batcher: ``batcher(loaded, max_batch=, seq_ctx=, max_rows=, exact_prefill=) -> scheduler``: continuous
+            batching of several sequences in one forward (``Generator.enable_batching``); None where the backend
+            decodes one sequence per forward.
     """
 
     name: str
@@ -149,7 +151,7 @@ class Backend:
     portable: Callable[[Any], tuple[Any, dict]] = lambda loaded: (loaded, {})
     describe: Callable[[Any], str] = lambda loaded: str(loaded.device)
     bench_prefix: str = ""
-    max_sequences: int = 1
+    batcher: Callable[..., Any] | None = None
 
     def supports(self, needs: frozenset[str] | set[str]) -> bool:
         """Whether this backend provides everything in ``needs``."""
@@ -165,6 +167,12 @@ def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threa
     if threads is not None:  # torch's intra-op threads are per process
         torch.set_num_threads(threads)
     return load_model(spec, device=device, dtype=dtype)
+
+
+def _llamacpp_batcher(loaded: LlamaCppModel, **kwargs):
+    from .batch import BatchScheduler  # imports llama.cpp's bindings: only when batching is asked for
+
+    return BatchScheduler(loaded, **kwargs)
 
 
 def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
@@ -189,7 +197,7 @@ BACKENDS: dict[str, Backend] = {
         portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
                                                     "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
-        bench_prefix="llamacpp_engine_"),
+        bench_prefix="llamacpp_engine_", batcher=_llamacpp_batcher),
 }
 DEFAULT_BACKEND = "llamacpp" if llamacpp_available() else "torch"  # where a backend is not named (see choose_backend)
 

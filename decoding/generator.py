@@ -188,15 +188,17 @@ class Generator:
         Raises:
             ValueError: not the llama.cpp backend, batching already enabled, or a size below 1.
         """
-        from .batch import DEFAULT_MAX_ROWS, BatchScheduler
+        from .batch import DEFAULT_MAX_ROWS
 
-        if self.backend.name != "llamacpp":
-            raise ValueError(f"continuous batching runs on the llama.cpp backend, not {self.backend.name!r}")
+        if self.backend.batcher is None:
+            batching = [name for name, row in BACKENDS.items() if row.batcher is not None]
+            raise ValueError(f"continuous batching runs on the {', '.join(batching)} backend, not "
+                             f"{self.backend.name!r}")
         if self.batcher is not None:
             raise ValueError("batching is already enabled on this generator")
-        self.batcher = BatchScheduler(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
-                                      max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows,
-                                      exact_prefill=exact_prefill)
+        self.batcher = self.backend.batcher(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
+                                            max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows,
+                                            exact_prefill=exact_prefill)
         return self.batcher
 
     @property

@@ -110,3 +110,18 @@ def test_a_new_backend_row_is_benchmarked_with_the_drafters_it_supports(fake_bac
     assert not res.skipped and {"constrained", "fake_constrained", "fake_lookup"} <= set(res.results)
     assert res.results["fake_lookup"]["identical_to_constrained"] == 1.0
     assert res.results["fake_lookup"]["valid"] == 1.0 and CountingLM.forwards > 0
+
+
+def test_batching_is_the_rows_own_scheduler(fake_backend, tiny_target):
+    """``Generator.enable_batching`` builds the backend row's ``batcher``; a row without one is refused, naming the
+    rows that batch."""
+    row, _ = fake_backend
+    gen = Generator("tiny-spec", backend="fake")
+    with pytest.raises(ValueError, match="runs on the llamacpp backend, not 'fake'"):
+        gen.enable_batching(4)
+    made = []
+    gen.backend = dataclasses.replace(row, batcher=lambda loaded, **kw: made.append(kw) or "scheduler")
+    assert gen.enable_batching(4, seq_ctx=64) == "scheduler" and gen.batcher == "scheduler"
+    assert made == [{"max_batch": 4, "seq_ctx": 64, "max_rows": made[0]["max_rows"], "exact_prefill": True}]
+    with pytest.raises(ValueError, match="already enabled"):
+        gen.enable_batching(4)

@@ -307,3 +307,43 @@ def test_hermes_takes_a_json_fence_under_auto_as_text_and_required_still_calls(s
     # the grammar keeps the scripted model off the fence: a call in a layout it parses, valid for the tool
     assert [c["name"] for c in turn.calls] == ["get_weather"] and not turn.text.startswith("```")
     WEATHER.make_call(turn.calls[0]["arguments"])
+
+
+def test_grounding_reads_numbers_and_strings_of_the_conversation():
+    from agent.parallel_calls import Grounding, brings_new_values, conversation_text
+
+    text = conversation_text([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": [{"type": "text", "text": "Population of New  York in "
+                                                                                   "2,000 and 5.6 feet"}]},
+                              {"role": "assistant", "content": "Tokyo"}, {"role": "tool", "content": "Lima: 7"}])
+    g = Grounding(text)
+    assert 2000 in g and 5.6 in g and 7 in g and "new york" in g and "LIMA" in g and True in g and None in g
+    assert 2 not in g and 6 not in g and "Tokyo" not in g and "be brief!" not in g  # assistant text is not a source
+    first = {"name": "f", "arguments": {"city": "New York", "year": 2000, "exact": True}}
+    assert brings_new_values({"name": "f", "arguments": {"city": "Lima", "year": 2000, "exact": True}}, [first], g)
+    assert not brings_new_values({"name": "f", "arguments": {"city": "Lima", "year": 2001}}, [first], g)  # 2001
+    assert not brings_new_values({"name": "f", "arguments": {"city": "New York", "year": 2000, "exact": False}},
+                                 [first], g)  # only a boolean changed: a recombination, nothing new
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_several_calls_asked_for_end_at_the_first_call_past_the_second_with_nothing_new(smol_dir, drafter):
+    """hermes, ``parallel_tool_calls=True``: the model's end is masked, so the turn ends from the calls: a call past
+    the second whose new values are not in the conversation (here Paris) ends it and is dropped."""
+    paris = {"city": "Paris", "unit": "celsius"}
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("get_weather", OSLO), ("get_weather", ROME),
+                                                                 ("get_weather", paris)]), "<|endoftext|>")
+    engine, config = LocalEngine(gen), EngineConfig(drafter=drafter, max_new_tokens=200)
+
+    def turn(question, parallel=True):
+        return engine.turn([{"role": "user", "content": question}], [WEATHER], "required",
+                           parallel_tool_calls=parallel, config=config)
+
+    two = turn("Weather in Oslo and Rome?")
+    assert two.stop_reason == "stop" and [c["arguments"]["city"] for c in two.calls] == ["Oslo", "Rome"]
+    assert fmt.parse(two.text)[0] == two.calls
+    three = turn("Weather in Oslo, Rome and Paris?")  # Paris is asked for: kept; the end stays masked after it
+    assert [c["arguments"]["city"] for c in three.calls[:3]] == ["Oslo", "Rome", "Paris"]
+    assert three.stop_reason != "eos"
+    free = turn("Weather in Oslo and Rome?", parallel=None)  # the model ends the turn: the rule does not apply
+    assert free.stop_reason == "eos" and [c["arguments"]["city"] for c in free.calls] == ["Oslo", "Rome", "Paris"]

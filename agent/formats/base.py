@@ -38,12 +38,15 @@ class ToolFormat:
     Attributes:
         name: the format's name (``Agent(tool_format=name)``).
         parallel: the family has a trained layout for several calls in one turn.
+        counts_calls: :meth:`several_calls_rule` counts calls (``min_calls``), so the model's end can be masked where
+            several are asked for and ``agent.parallel_calls.ParallelCallsEnd`` ends the turn from the calls.
         end_whitespace: Lark for what may follow the last call before the model's end-of-generation token (one
             optional newline: Qwen2.5-Coder writes ``\n`` after ``</tool_call>``).
     """
 
     name = "base"
     parallel = True
+    counts_calls = False
     end_whitespace = '"\\n"?'  # Lark: what may follow the last call before the turn ends (one optional newline)
 
     def __init__(self, tokenizer, chat_template: str | None = None):
@@ -76,8 +79,9 @@ class ToolFormat:
             lenient_answer: ``response_format`` is not strict (``"strict": false``): keywords the grammar cannot
                 enforce are relaxed, and the caller validates the answer.
             min_calls: with ``parallel=True``, the fewest calls the turn may end after (where the format's layout
-                can count them; the engine uses 2). One more than the engine's call cap masks the model's end
-                entirely, so only the repeat rule, the cap or the budget end the turn (measured on the dev split:
+                can count them: :attr:`counts_calls`). The engine passes one more than its call cap, which masks
+                the model's end entirely, so only ``agent.parallel_calls.ParallelCallsEnd`` (a repeat, a call with
+                no new value from the conversation, the cap) or the budget end the turn (chosen on the dev split:
                 docs/benchmarks.md, "Several calls in one turn").
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
@@ -140,7 +144,8 @@ class ToolFormat:
         """The Lark body of ``calls`` when several calls are asked for (``parallel_tool_calls=True``): the layout the
         family's models continue in after a call (hermes: the marked blocks, at least ``min_calls`` —
         Qwen2.5-Coder-0.5B ends after its first call otherwise: dev split, several-call questions 0/10, with two or
-        more 4/10). Default: :meth:`calls_rule` with ``parallel=True`` (``min_calls`` not counted)."""
+        more 4/10). Default: :meth:`calls_rule` with ``parallel=True`` (``min_calls`` not counted: set
+        :attr:`counts_calls` where an override counts it)."""
         return self.calls_rule(True, after_results)
 
     def gbnf_root(self) -> str:

@@ -46,6 +46,7 @@ _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 class HermesFormat(ToolFormat):
     name = "hermes"
     parallel = True
+    counts_calls = True
 
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
         chat = template_chat(messages)
@@ -68,7 +69,8 @@ class HermesFormat(ToolFormat):
 
     def several_calls_rule(self, after_results: bool = False, min_calls: int = 2) -> str:
         block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'
-        # the marked layout (the one the model continues in), min_calls or more
+        # the marked layout (the one the model continues in), min_calls or more (the engine asks for more than its
+        # cap: the model's end masked, agent.parallel_calls ends the turn)
         return f'{block} ("\\n" {block}){{{max(min_calls, 1) - 1},}}'
 
     def gbnf_root(self) -> str:

@@ -1,0 +1,122 @@
+"""Where a several-call turn ends when the model's own end is not trusted.
+
+Small models asked for several calls (``parallel_tool_calls=True``) end their turn after two calls where three or
+four are asked for: Qwen2.5-Coder-0.5B's end-of-generation logit after ``</tool_call>\\n`` is 20–27 above
+``<tool_call>``'s whether or not more calls are wanted (dev split, docs/benchmarks.md "Several calls in one turn"),
+so no threshold on it can tell. With the end masked the model goes on writing calls; the right ones come first,
+and what follows them either repeats an earlier call or recombines or invents values. :class:`ParallelCallsEnd`
+ends the turn there, from the calls alone:
+
+* **repeat**: the first call equal to an earlier one ends the turn (it is dropped: no call is returned twice);
+* **nothing new from the conversation** (only where the model's end is masked: ``context`` given): a call past
+  the first ``free_calls`` must bring at least one value no earlier call has that is not a boolean, and every value
+  no earlier call has must be written in the conversation (:func:`grounded`); the first call that does not ends
+  the turn and is dropped;
+* **cap**: the turn holds ``max_calls`` calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterator
+
+from .formats import ToolFormat
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?")
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """The text a call's values may come from: every ``system``, ``developer``, ``user`` and ``tool`` message's
+    content (text parts of a list content), joined by newlines."""
+    parts = []
+    for m in messages:
+        if m.get("role") not in ("system", "developer", "user", "tool"):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(parts)
+
+
+def leaf_values(value: Any) -> Iterator[Any]:
+    """The scalars of a JSON value (strings, numbers, booleans, null), depth first."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaf_values(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from leaf_values(v)
+    else:
+        yield value
+
+
+class Grounding:
+    """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
+    as 5000), a string found in the text ignoring case and runs of whitespace; booleans and null always."""
+
+    def __init__(self, text: str):
+        self.text = " ".join(text.lower().split())
+        self.numbers = set()
+        for m in _NUMBER.findall(text):
+            try:
+                self.numbers.add(float(m.replace(",", "")))
+            except ValueError:
+                pass
+
+    def __contains__(self, value: Any) -> bool:
+        if value is None or isinstance(value, bool):
+            return True
+        if isinstance(value, (int, float)):
+            return float(value) in self.numbers
+        if isinstance(value, str):
+            return " ".join(value.lower().split()) in self.text
+        return False
+
+
+def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> bool:
+    """Whether ``call`` holds a value no call of ``earlier`` has that is not a boolean or null, and every value no
+    earlier call has is in ``grounding``."""
+    seen = {json.dumps(v) for c in earlier for v in leaf_values(c.get("arguments"))}
+    new = [v for v in leaf_values(call.get("arguments")) if json.dumps(v) not in seen]
+    return any(v is not None and not isinstance(v, bool) for v in new) and all(v in grounding for v in new)
+
+
+class ParallelCallsEnd:
+    """The end rule of a several-call turn (module docstring), passed to ``Generator.generate(stop_when=…)``.
+
+    The decode stops at the first committed step whose text completes the call that ends the turn, so its token
+    count (``stats``) includes the dropped call and whatever that step committed past it: a speculative step may
+    commit more than one token per forward, so counts differ between drafters while the kept text does not.
+    Streamed text (``on_text``) stops before that step; the start of the dropped call may have been streamed.
+
+    Args:
+        fmt: the tool format (its ``complete_calls`` / ``calls_text``).
+        max_calls: the most calls the turn keeps.
+        context: the conversation's text (:func:`conversation_text`) where the model's end is masked, so that a
+            call bringing nothing new from it ends the turn; None: only the repeat and the cap end it (the model
+            ends it otherwise).
+        free_calls: the first calls kept whatever values they hold (the several-call layout asks for two).
+    Attributes:
+        text: the turn's text to keep once the rule fired (the calls before the one that ended it, or the first
+            ``max_calls``, closed as the format needs); None while it has not.
+    """
+
+    def __init__(self, fmt: ToolFormat, max_calls: int, *, context: str | None = None, free_calls: int = 2):
+        self.fmt, self.max_calls, self.free_calls = fmt, max_calls, free_calls
+        self.grounding = Grounding(context) if context is not None else None
+        self.text: str | None = None
+
+    def __call__(self, text: str) -> bool:
+        found = self.fmt.complete_calls(text)
+        calls = [c for c, _ in found]
+        keep = next((i for i in range(1, len(calls)) if calls[i] in calls[:i] or (
+            self.grounding is not None and i >= self.free_calls
+            and not brings_new_values(calls[i], calls[:i], self.grounding))), None)
+        if keep is None and len(calls) >= self.max_calls:
+            keep = self.max_calls
+        if keep is None:
+            return False
+        self.text = self.fmt.calls_text(text, found[keep - 1][1])
+        return True
