@@ -24,6 +24,7 @@ import time
 
 from agent.demo_tools import TOOLS
 from agent.engine import EngineConfig, LocalEngine
+from decoding import DEFAULT_NUM_DRAFT_TOKENS
 from agent.remote import collect_stream
 from agent.server import ServerThread, create_app
 from schemas import ToolRegistry
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-rows", type=int, default=None, help="batching on: tokens per step's llama_decode")
     ap.add_argument("--fast-prefill", action="store_true",
                     help="batching on: reuse cached prefixes as they are (fewer rows; see BatchScheduler exact_prefill)")
+    ap.add_argument("--batch-num-draft-tokens", type=int, default=None,
+                    help="batching on: γ of that server's requests (default: the engine's); off keeps the default")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (1: the identity configuration)")
     ap.add_argument("--backend", default=None, help="decoding backend (default: llama.cpp for a GGUF)")
     ap.add_argument("--out", default=None, help="write the JSON summary here too")
@@ -70,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         batch = dict(max_batch=args.max_batch, seq_ctx=args.seq_ctx, max_rows=args.max_rows) if mode == "on" else {}
         if batch and args.fast_prefill:
             engine.generator.enable_batching(**batch, exact_prefill=False)
-        for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch):
+        gamma = args.batch_num_draft_tokens if mode == "on" else None
+        for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch, gamma):
             summary["batching"] = mode
+            summary["num_draft_tokens"] = gamma if gamma is not None else DEFAULT_NUM_DRAFT_TOKENS
             ok &= summary["valid"] == summary["equal_to_serial"] == summary["clients"] == summary["answered"]
             print(json.dumps(summary), flush=True)
             runs.append(summary)
@@ -89,14 +94,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_server(engine: LocalEngine, model: str, counts: list[int], max_tokens: int, concurrency: int,
-               batch: dict) -> list[dict]:
-    """One server over ``engine`` (``batch``: ``create_app``'s continuous-batching arguments, or none): the serial
-    answers of ``max(counts)`` prompts, then each count of concurrent streamed clients. One summary per count."""
+               batch: dict, num_draft_tokens: int | None = None) -> list[dict]:
+    """One server over ``engine`` (``batch``: ``create_app``'s continuous-batching arguments, or none;
+    ``num_draft_tokens``: γ of its requests, None: the engine's default): the serial answers of ``max(counts)``
+    prompts, then each count of concurrent streamed clients. One summary per count."""
     import openai
 
     registry = ToolRegistry(TOOLS)
     tools = [t.to_openai() for t in registry]
-    config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=max_tokens)
+    config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=max_tokens).override(
+        num_draft_tokens=num_draft_tokens)
     app = create_app(engine, model_name=model, config=config, max_waiting=max(64, max(counts)),
                      concurrency=concurrency, **batch)
     todo = prompts(max(counts))

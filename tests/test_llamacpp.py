@@ -268,3 +268,15 @@ def test_ctx_size_sizes_the_kv_cache_and_a_prompt_past_it_is_refused():
     assert agent.engine.generator.loaded.n_ctx == 512
     assert agent.engine.spec()[2]["ctx_size"] == 512  # travels to Ray workers and batch copies
     assert main(["demo", "--model", "smollm2", "--ctx-size", "1"]) == 2  # refused before anything loads
+
+
+def test_batch_rowcost_times_batched_and_one_sequence_decodes():
+    from bench.batch_rowcost import measure
+
+    r = measure("smollm2", threads=1, sequences=3, prompt_tokens=40, repeat=1)
+    assert r["ms_one_row_alone"] > 0
+    assert [b["rows"] for b in r["batched"]] == [3, 6, 12]
+    assert [b["rows"] for b in r["one_sequence"]] == [8, 32, 128]
+    assert all(b["ms"] > 0 and b["ms_per_row"] == pytest.approx(b["ms"] / b["rows"], abs=0.01)
+               and b["share_of_one_row"] == pytest.approx(b["ms_per_row"] / r["ms_one_row_alone"], rel=0.05, abs=0.002)
+               for b in r["batched"] + r["one_sequence"])
