@@ -163,9 +163,10 @@ class LocalEngine:
         model: a :class:`Generator`, a :class:`LoadedModel` or a spec for ``decoding.load_model``.
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
-        backend, threads, ctx_size: a row of ``decoding.BACKENDS`` (``"torch"``, the default, or ``"llamacpp"``:
-            llama.cpp's CPU kernels on the GGUF as shipped, ``threads`` CPU threads, ``ctx_size`` KV cache positions
-            per sequence), only with a spec (see :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
+        backend, threads, ctx_size: a row of ``decoding.BACKENDS`` (``"llamacpp"``: llama.cpp's CPU kernels on the
+            GGUF as shipped, ``threads`` CPU threads, ``ctx_size`` KV cache positions per sequence; ``"torch"``;
+            None: ``decoding.choose_backend``, llama.cpp for a GGUF on the CPU where it is installed), only with a
+            spec (see :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
         drafter: the drafter the runs will use, when the engine loads the model: with no backend named, one that
@@ -290,7 +291,9 @@ class LocalEngine:
                                            lenient_answer=not strict, max_string_length=config.max_string_length,
                                            max_decimals=config.max_decimals,
                                            after_results=messages[-1]["role"] == "tool",
-                                           min_calls=config.max_parallel_calls + 1)  # the model's end masked
+                                           # several asked for, where the format counts calls: the end masked
+                                           min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
+                                           else 2)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
 
     def _accepts(self, grammar, tokens: list[int]) -> bool:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.batch_rowcost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the cores this process may use)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="llama.cpp threads (default: the cores this process may use)")
     ap.add_argument("--sequences", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=3)

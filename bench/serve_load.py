@@ -24,9 +24,9 @@ import time
 
 from agent.demo_tools import TOOLS
 from agent.engine import EngineConfig, LocalEngine
-from decoding import DEFAULT_NUM_DRAFT_TOKENS
 from agent.remote import collect_stream
 from agent.server import ServerThread, create_app
+from decoding import DEFAULT_NUM_DRAFT_TOKENS
 from schemas import ToolRegistry
 
 CITIES = ["Paris", "Tokyo", "Oslo", "Lima", "Cairo", "Delhi", "Quito", "Rome"]

@@ -186,7 +186,8 @@ class Generator:
         ``max_rows`` tokens per step; ``exact_prefill``: see the scheduler. Returns the scheduler.
 
         Raises:
-            ValueError: not the llama.cpp backend, batching already enabled, or a size below 1.
+            ValueError: a backend row with no ``batcher`` (only llama.cpp batches), batching already enabled, or a
+                size below 1.
         """
         from .batch import DEFAULT_MAX_ROWS
 

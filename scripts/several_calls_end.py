@@ -11,6 +11,8 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``new values``: the end masked, the turn ends at the first call past the second that brings no new value from
   the conversation (``agent.parallel_calls.brings_new_values``; what the engine does);
 * ``grounded only``: as ``new values``, but a call whose new values are only booleans (a recombination) is kept;
+* ``a new tool counts``: as ``new values``, but a call of a tool no earlier call used is kept when its new values
+  are all written in the conversation;
 * ``new values from call 2``: as ``new values``, applied from the second call on.
 
 Usage::
@@ -124,6 +126,9 @@ def simulate(args) -> None:
             verdicts = {"masked": turn.check(calls), "model": turn.check(calls[:model]),
                         "new values": turn.check(calls[:new]),
                         "grounded only": turn.check(calls[:first_failing(grounded_only, 2)]),
+                        "a new tool counts": turn.check(calls[:first_failing(
+                            lambda c, e: brings_new_values(c, e, grounding) or (
+                                c["name"] not in {x["name"] for x in e} and grounded_only(c, e)), 2)]),
                         "new values from call 2": turn.check(
                             calls[:first_failing(lambda c, e: brings_new_values(c, e, grounding), 1)])}
             t = totals.setdefault(f"{Path(path).name} {category}", {"n": 0, **{k: 0 for k in verdicts}})
@@ -132,7 +137,7 @@ def simulate(args) -> None:
                 t[k] += v
             print(rec["id"], f"ground truth {len(turn.ground_truth)} calls; kept: masked {len(calls)}, "
                   f"model {model}, new values {new}", {k: int(v) for k, v in verdicts.items()})
-    names = ["masked", "model", "new values", "grounded only", "new values from call 2"]
+    names = ["masked", "model", "new values", "grounded only", "a new tool counts", "new values from call 2"]
     print("\n| records, category | n | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
     for name, t in totals.items():
         print(f"| {name} | {t['n']} | " + " | ".join(str(t[k]) for k in names) + " |")
