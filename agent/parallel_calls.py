@@ -23,7 +23,7 @@ from typing import Any, Iterator
 from .formats import ToolFormat
 
 # a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers), 0.5, .5, 1e-05
-_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def conversation_text(messages: list[dict]) -> str:
@@ -62,8 +62,7 @@ class Grounding:
         self.text = " ".join(text.casefold().split())
         self.numbers = set()
         for m in _NUMBER.findall(text):
-            if any(c.isdigit() for c in m):
-                self.numbers.add(_number_key(float(m.replace(",", ""))))
+            self.numbers.add(_number_key(float(m.replace(",", ""))))
 
     def __contains__(self, value: Any) -> bool:
         if value is None or isinstance(value, bool):

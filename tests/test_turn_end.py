@@ -326,8 +326,9 @@ def test_grounding_reads_numbers_and_strings_of_the_conversation():
                                  [first], g)  # only a boolean changed: a recombination, nothing new
     assert not brings_new_values({"name": "g", "arguments": {"city": "New York"}}, [first], g)  # another tool, old
     assert not brings_new_values({"name": "f", "arguments": {"city": "New York", "year": 2000.0}}, [first], g)
-    nums = Grounding("1,2,3 and 5,000; .5, 1e-05, \u22124 and STRASSE")
-    assert all(x in nums for x in (1, 2, 3, 5000, 0.5, 1e-05, -4, "straße")) and 123 not in nums
+    nums = Grounding("1,2,3 and 5,000; .5, 1e-05, \u22124, e4 to e5, 12,345,6 and STRASSE")
+    assert all(x in nums for x in (1, 2, 3, 5000, 0.5, 1e-05, -4, 12, 345, 6, "straße"))
+    assert 123 not in nums and 4 not in nums and 12345 not in nums
     assert 10 ** 400 not in nums  # beyond a float: not an error
 
 
