@@ -137,9 +137,10 @@ class Backend:
             the model itself where it pickles, else its file and the arguments it was loaded with.
         describe: ``describe(loaded) -> str``, where it runs, for start-up lines (``"torch on cpu"``).
         bench_prefix: prefix of the benchmark's mode names for this backend's decoding modes.
-        batcher: ``batcher(loaded, max_batch=, seq_ctx=, max_rows=, exact_prefill=) -> scheduler``: continuous
-            batching of several sequences in one forward (``Generator.enable_batching``); None where the backend
-            decodes one sequence per forward.
+        batcher: ``batcher(loaded, max_batch=, seq_ctx=, max_rows=, exact_prefill=) -> scheduler``, or its
+            ``"module:name"`` (imported when batching is asked for: ``decoding.batch`` imports the decoders, which
+            import this table): continuous batching of several sequences in one forward
+            (``Generator.enable_batching``); None where the backend decodes one sequence per forward.
     """
 
     name: str
@@ -151,7 +152,7 @@ class Backend:
     portable: Callable[[Any], tuple[Any, dict]] = lambda loaded: (loaded, {})
     describe: Callable[[Any], str] = lambda loaded: str(loaded.device)
     bench_prefix: str = ""
-    batcher: Callable[..., Any] | None = None
+    batcher: Callable[..., Any] | str | None = None
 
     def supports(self, needs: frozenset[str] | set[str]) -> bool:
         """Whether this backend provides everything in ``needs``."""
@@ -167,12 +168,6 @@ def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threa
     if threads is not None:  # torch's intra-op threads are per process
         torch.set_num_threads(threads)
     return load_model(spec, device=device, dtype=dtype)
-
-
-def _llamacpp_batcher(loaded: LlamaCppModel, **kwargs):
-    from .batch import BatchScheduler  # imports llama.cpp's bindings: only when batching is asked for
-
-    return BatchScheduler(loaded, **kwargs)
 
 
 def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
@@ -197,7 +192,7 @@ BACKENDS: dict[str, Backend] = {
         portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
                                                     "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
-        bench_prefix="llamacpp_engine_", batcher=_llamacpp_batcher),
+        bench_prefix="llamacpp_engine_", batcher="decoding.batch:BatchScheduler"),
 }
 DEFAULT_BACKEND = "llamacpp" if llamacpp_available() else "torch"  # where a backend is not named (see choose_backend)
 

@@ -14,6 +14,7 @@ Each ``generate`` call builds its own KV caches and drafter state, so one Genera
 """
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Callable
 
@@ -197,9 +198,13 @@ class Generator:
                              f"{self.backend.name!r}")
         if self.batcher is not None:
             raise ValueError("batching is already enabled on this generator")
-        self.batcher = self.backend.batcher(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
-                                            max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows,
-                                            exact_prefill=exact_prefill)
+        factory = self.backend.batcher
+        if isinstance(factory, str):  # "module:name", imported now
+            module, _, name = factory.partition(":")
+            factory = getattr(importlib.import_module(module), name)
+        self.batcher = factory(self.loaded, max_batch=max_batch, seq_ctx=seq_ctx,
+                               max_rows=DEFAULT_MAX_ROWS if max_rows is None else max_rows,
+                               exact_prefill=exact_prefill)
         return self.batcher
 
     @property

@@ -92,7 +92,7 @@ def record(args) -> None:
 
 
 def simulate(args) -> None:
-    from agent.formats.hermes import _BLOCK  # noqa: PLC2701 - an experiment script, reads the layout's regex
+    from agent.formats.hermes import HermesFormat
     from agent.parallel_calls import Grounding, brings_new_values, conversation_text, leaf_values
     from bench.bfcl import bfcl_turn, load_questions
 
@@ -103,8 +103,7 @@ def simulate(args) -> None:
             rec = json.loads(line)
             row, category = rows[rec["id"]]
             turn = bfcl_turn(row, category)
-            calls = [{"name": c["name"], "arguments": c["arguments"]}
-                     for c in map(json.loads, _BLOCK.findall(rec["text"]))]
+            calls = [c for c, _ in HermesFormat(None).complete_calls(rec["text"])]
             grounding = Grounding(conversation_text(turn.messages))
             bounds = rec["bounds"]
 
