@@ -263,7 +263,8 @@ def locate_gguf(src: ModelSource) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
+    # a name of this process's own: two processes joining the parts at once must not share (or rename) one file
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
     h = hashlib.sha256()
     with open(tmp, "wb") as f:
         for d in dirs:
@@ -274,7 +275,7 @@ def locate_gguf(src: ModelSource) -> Path:
     if h.hexdigest() != src.sha256:
         tmp.unlink()
         raise ValueError(f"{src.name}: concatenated parts have sha256 {h.hexdigest()}, expected {src.sha256}")
-    tmp.rename(out)
+    tmp.replace(out)  # atomic; another process that finished first wrote the same bytes
     return out
 
 

@@ -91,3 +91,30 @@ def test_default_gamma_schedule_grows_on_full_acceptance_and_shrinks_otherwise()
     assert d.adapt_num_draft_tokens(7, 2, 2, 8) == 8
     assert d.adapt_num_draft_tokens(4, 3, 1, 8) == 3
     assert d.adapt_num_draft_tokens(1, 3, 0, 8) == 1
+
+
+def test_two_processes_joining_a_split_gguf_at_once_both_get_the_whole_file(tmp_path, monkeypatch):
+    """The first load of a split model joins its parts into the cache; two loads at once (two BFCL jobs, a server
+    and a benchmark) each write a file of their own and rename it into place (a shared temporary name made one of
+    them fail with FileNotFoundError)."""
+    import hashlib
+    import multiprocessing
+
+    import decoding.loader as loader
+
+    pkgs = []
+    for i, blob in enumerate((b"GGUF-part-one" * 50_000, b"part-two" * 50_000)):
+        d = tmp_path / f"pkg{i}" / "data"
+        d.mkdir(parents=True)
+        (d / "part00.bin").write_bytes(blob)
+        pkgs.append(d.parent)
+    sha = hashlib.sha256(b"".join((p / "data" / "part00.bin").read_bytes() for p in pkgs)).hexdigest()
+    src = loader.ModelSource("fake", ("p0", "p1"), "data", sha, "pip install fake", parts=True)
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_package_dir", lambda pkg: pkgs[int(pkg[1])])
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        paths = pool.map(loader.locate_gguf, [src] * 8)
+    assert len(set(paths)) == 1
+    assert hashlib.sha256(open(paths[0], "rb").read()).hexdigest() == sha
+    assert not list((tmp_path / "cache" / "gguf").glob("*.tmp"))
