@@ -62,6 +62,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--no-grounding", dest="grounding", action="store_false",
+                   help="return calls as decoded: keep optional arguments the conversation does not write, and "
+                        "never decode a turn again whose calls take nothing from it (agent/grounding.py)")
 
 
 def _agent(args, tools, **kwargs):
@@ -158,7 +161,7 @@ def _config(args):
 
     return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
                         max_string_length=args.max_string_length, max_decimals=args.max_decimals,
-                        max_new_tokens=args.max_new_tokens)
+                        max_new_tokens=args.max_new_tokens, grounding=args.grounding)
 
 
 def _drafter_label(generator, name: str) -> str:

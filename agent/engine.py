@@ -20,11 +20,13 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .parallel_calls import ParallelCallsEnd, conversation_text
+from .grounding import Grounding, conversation_text, drop_unwritten_optional, takes_from_conversation
+from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 DEFAULT_MAX_PARALLEL_CALLS = 8  # calls one several-call turn may return (EngineConfig.max_parallel_calls)
+DEFAULT_GROUNDING_RETRIES = 2  # decodes again of a turn whose calls take nothing from the conversation
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class EngineConfig:
         count_masked_ends: for a turn cut by the budget, replay it once more (one teacher-forced forward) and count
             in ``stats.masked_end_argmax`` the positions where the model's argmax was an end-of-generation token the
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
+        grounding: judge calls by where their values come from (``agent.grounding``; :meth:`LocalEngine.turn`):
+            optional arguments the conversation does not write are dropped, and a turn whose calls take nothing
+            from the conversation is decoded again without those tools. On by default; False returns the calls as
+            the grammar-constrained decode wrote them.
+        grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -61,12 +68,17 @@ class EngineConfig:
     max_new_tokens: int = 256
     max_parallel_calls: int = DEFAULT_MAX_PARALLEL_CALLS
     count_masked_ends: bool = False
+    grounding: bool = True
+    grounding_retries: int = DEFAULT_GROUNDING_RETRIES
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_parallel_calls", self.max_parallel_calls, 1)
+        _check_int("grounding_retries", self.grounding_retries, 0)
+        if not isinstance(self.grounding, bool):
+            raise ValueError(f"grounding must be a boolean, got {self.grounding!r}")
         if self.max_string_length is not None:
             _check_int("max_string_length", self.max_string_length, 1)
         if self.max_decimals is not None:
@@ -226,9 +238,51 @@ class LocalEngine:
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
              config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
-        """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool."""
+        """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool.
+
+        With ``config.grounding`` (the default) the calls are judged by where their values come from
+        (``agent.grounding``): a turn none of whose calls takes a value from the conversation is decoded again
+        with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
+        text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
+        no retry takes from the conversation), and optional arguments holding values the conversation does not
+        write are dropped. ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
+        ``on_text`` sees every decode's text, a discarded call's too.
+        """
+        allowed, mode = filter_tools(tools, tool_choice)
+        out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        if not config.grounding or not out.calls:
+            return out
+        grounding = Grounding(conversation_text(messages))
+        first, stats, excluded = out, out.stats, set()
+        retries = config.grounding_retries
+        while out.calls and not any(takes_from_conversation(c, grounding) for c in out.calls):
+            excluded |= {c.get("name") for c in out.calls}
+            left = [t for t in allowed if t.name not in excluded]
+            if isinstance(tool_choice, dict) or (mode == "required" and (not left or retries == 0)):
+                out = first  # no other tool takes from the conversation either: the model's first choice
+                break
+            final = mode == "auto" and (not left or retries == 0)
+            out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                               on_text, exclude=None if final else excluded, answer_only=final)
+            stats = stats + out.stats
+            retries -= 1
+            if out.truncated and out.is_call:
+                out = first  # a retry cut by the budget: the first turn stands
+                break
+        out.stats = stats
+        if out.calls:
+            params = {t.name: t.parameters for t in allowed}
+            out.calls = [drop_unwritten_optional(c, params.get(c.get("name"), {}), grounding) for c in out.calls]
+        return out
+
+    def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
+                exclude: set | None = None, answer_only: bool = False) -> DecodedTurn:
+        """One decode of the turn (:meth:`turn` without the grounding rules); ``exclude``: tool names masked out of
+        the grammar (the prompt still lists every tool); ``answer_only``: a text answer (``tool_choice="none"``'s
+        grammar under the same prompt)."""
         ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
-                                                    parallel_tool_calls, config)
+                                                    parallel_tool_calls, config, exclude=exclude,
+                                                    answer_only=answer_only)
         parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
@@ -282,9 +336,15 @@ class LocalEngine:
         when the generator batches (``Generator.enable_batching``)."""
         return self.generator.context_length
 
-    def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config):
-        """``(prompt ids, turn grammar, callable tools, tool_choice mode)``."""
+    def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, *,
+                 exclude: set | None = None, answer_only: bool = False):
+        """``(prompt ids, turn grammar, callable tools, tool_choice mode)``; ``exclude`` / ``answer_only``: see
+        :meth:`_decode`."""
         allowed, mode = filter_tools(tools, tool_choice)
+        if exclude:
+            allowed = [t for t in allowed if t.name not in exclude]
+        if answer_only:
+            allowed, mode = [], "none"
         strict = getattr(response_format, "strict", True)
         schema = getattr(response_format, "schema", response_format)
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
@@ -293,7 +353,7 @@ class LocalEngine:
                                            after_results=messages[-1]["role"] == "tool",
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
-                                           else 2)
+                                           else 2, answer_opens_no_call=True if answer_only else None)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
 
     def _accepts(self, grammar, tokens: list[int]) -> bool:

@@ -10,84 +10,23 @@ ends the turn there, from the calls alone:
 * **repeat**: the first call equal to an earlier one ends the turn (it is dropped: no call is returned twice);
 * **nothing new from the conversation** (only where the model's end is masked: ``context`` given): a call past
   the first ``free_calls`` must bring a value no earlier call has that is not a boolean or null, and every value
-  no earlier call has must be written in the conversation (:class:`Grounding`); the first call that does not ends
-  the turn and is dropped;
+  no earlier call has must be written in the conversation (``agent.grounding.Grounding``); the first call that
+  does not ends the turn and is dropped;
 * **cap**: the turn holds ``max_calls`` calls.
 """
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, Iterator
+from typing import Any
 
 from .formats import ToolFormat
-
-# a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers), 0.5, .5, 1e-05
-_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
-
-
-def conversation_text(messages: list[dict]) -> str:
-    """The text a call's values may come from: every ``system``, ``developer``, ``user`` and ``tool`` message's
-    content (text parts of a list content), joined by newlines."""
-    parts = []
-    for m in messages:
-        if m.get("role") not in ("system", "developer", "user", "tool"):
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return "\n".join(parts)
-
-
-def leaf_values(value: Any) -> Iterator[Any]:
-    """The scalars of a JSON value (strings, numbers, booleans, null), depth first."""
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from leaf_values(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from leaf_values(v)
-    else:
-        yield value
-
-
-class Grounding:
-    """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
-    as 5000), a string found in the text ignoring case and runs of whitespace; booleans and null always."""
-
-    def __init__(self, text: str):
-        text = text.replace("\u2212", "-")  # the minus sign
-        self.text = " ".join(text.casefold().split())
-        self.numbers = set()
-        for m in _NUMBER.findall(text):
-            self.numbers.add(_number_key(float(m.replace(",", ""))))
-
-    def __contains__(self, value: Any) -> bool:
-        if value is None or isinstance(value, bool):
-            return True
-        if isinstance(value, (int, float)):
-            return _number_key(value) in self.numbers
-        if isinstance(value, str):
-            return " ".join(value.casefold().split()) in self.text
-        return False
-
-
-def _number_key(x: int | float) -> int | float:
-    """A number as one key whatever its JSON spelling (``1`` and ``1.0`` alike); integers beyond a float's range
-    stay exact integers."""
-    try:
-        f = float(x)
-    except OverflowError:
-        return int(x)
-    return int(f) if f.is_integer() and abs(f) < 2 ** 53 else f
+from .grounding import Grounding, leaf_values, number_key
 
 
 def _value_key(value: Any) -> str:
-    """What makes two scalar values the same value (numbers by :func:`_number_key`)."""
+    """What makes two scalar values the same value (numbers by ``agent.grounding.number_key``)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"n:{_number_key(value)}"
+        return f"n:{number_key(value)}"
     return json.dumps(value)
 
 

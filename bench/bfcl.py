@@ -406,9 +406,11 @@ class BfclTurn:
                                 max_string_length=max_string_length, max_decimals=max_decimals)
 
     def judge(self, text: str, truncated: bool, registry: ToolRegistry,
-              fmt: ToolFormat | None = None) -> tuple[bool, bool]:
+              fmt: ToolFormat | None = None, calls: list[dict] | None = None) -> tuple[bool, bool]:
         """``(valid, correct)`` of one decoded turn in the tool format ``fmt`` (None: ``generic``; any object with
         ``is_call(text)`` and ``parse(text) -> (calls | None, text)``, such as ``bench.parse_only``'s parsers).
+        ``calls``: the calls the agent returned for the turn (``{"name", "arguments"}``; the agent's grounding
+        rules may drop optional arguments the text holds), judged instead of the text's; None: parsed from it.
 
         valid = not cut by the token budget, parses into at least one call and every call validates against its
         tool; correct = not cut, parses into at least one call and :meth:`check` passes (BFCL's checker does not
@@ -420,10 +422,11 @@ class BfclTurn:
             return True, True
         if truncated:
             return False, False
-        try:
-            calls, _ = fmt.parse(text)
-        except (ValueError, KeyError, TypeError, ToolCallError):
-            return False, False
+        if calls is None:
+            try:
+                calls, _ = fmt.parse(text)
+            except (ValueError, KeyError, TypeError, ToolCallError):
+                return False, False
         calls = calls or []
         try:
             for c in calls:
@@ -504,7 +507,9 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         text = res.raw_turns[-1] if res.raw_turns else ""
         n_truncated += res.truncated
         cut_masked_end += bool(res.truncated and res.stats.masked_end_argmax)
-        valid, correct = turn.judge(text, res.truncated, agent.registry, agent.format)
+        # the calls the agent returned (BFCL's tools are call-only: pending), as its grounding rules left them
+        returned = [{"name": c.name, "arguments": c.arguments} for c in getattr(res, "pending_calls", None) or []]
+        valid, correct = turn.judge(text, res.truncated, agent.registry, agent.format, returned or None)
         parser = getattr(agent.format, "name", None)
         n_valid += valid
         n_correct += correct

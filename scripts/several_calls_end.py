@@ -93,7 +93,8 @@ def record(args) -> None:
 
 def simulate(args) -> None:
     from agent.formats.hermes import HermesFormat
-    from agent.parallel_calls import Grounding, brings_new_values, conversation_text, leaf_values
+    from agent.grounding import Grounding, conversation_text, leaf_values
+    from agent.parallel_calls import brings_new_values
     from bench.bfcl import bfcl_turn, load_questions
 
     rows = {r["id"]: (r, c) for c in CATEGORIES for r in load_questions(c, None, None, "dev")}

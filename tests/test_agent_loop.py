@@ -96,7 +96,7 @@ def test_parallel_calls_in_one_turn_run_concurrently_and_keep_order(tiny_target)
 
     script = lambda p: ('<tool_call>[{"name": "b", "arguments": {"n": 1}}, {"name": "a", "arguments": {"n": 2}}]'
                         '</tool_call>') if "<|im_start|>tool" not in p else "done"
-    res = Agent(ScriptedGenerator(tiny_target, script), [a, b], drafter="none").run("go")
+    res = Agent(ScriptedGenerator(tiny_target, script), [a, b], drafter="none").run("Run b on 1 and a on 2.")
     assert [(r.call.name, r.result) for r in res.tool_calls] == [("b", -1), ("a", 2)]
     tool_msgs = [m for m in res.messages if m["role"] == "tool"]
     assert [m["name"] for m in tool_msgs] == ["b", "a"] and sorted(seen) == ["a", "b"]
@@ -125,9 +125,9 @@ def test_tool_choice_is_enforced_by_the_grammar(tiny_target, choice, text, outco
     agent = Agent(ScriptedGenerator(tiny_target, lambda p: text), [add, square], drafter="none")
     if outcome == "refused":
         with pytest.raises(Exception, match="not allowed"):
-            agent.run("go", tool_choice=choice, max_steps=1)
+            agent.run("Add 1 and 1.", tool_choice=choice, max_steps=1)
         return
-    res = agent.run("go", tool_choice=choice, max_steps=1)
+    res = agent.run("Add 1 and 1.", tool_choice=choice, max_steps=1)
     assert bool(res.tool_calls) == (outcome == "call")
     assert (res.final_answer == text) == (outcome == "text")
 
@@ -178,14 +178,14 @@ def test_tool_that_hangs_past_its_timeout_gets_a_timeout_error(tiny_target):
         if "<|im_start|>tool" not in p else "gave up"
     agent = Agent(ScriptedGenerator(tiny_target, script), [slow], drafter="none", tool_timeout=0.2)
     t0 = time.perf_counter()
-    res = agent.run("go")
+    res = agent.run("Run slow on 1.")
     assert time.perf_counter() - t0 < 3
     assert res.tool_calls[0].error == "tool 'slow' timed out after 0.2 s" and res.final_answer == "gave up"
 
 
 def test_total_token_budget_stops_the_run(tiny_target):
     gen = ScriptedGenerator(tiny_target, two_step_script)
-    res = Agent(gen, [add, square], drafter="none").run("go", max_total_tokens=30)
+    res = Agent(gen, [add, square], drafter="none").run("Add 2 and 3, then square it.", max_total_tokens=30)
     assert res.truncated and res.stats.new_tokens <= 30 + 40
 
 

@@ -60,7 +60,8 @@ def test_lenient_call_still_invalid_after_retries_returns_the_transcript(tiny_ta
             return render_call_text([{"name": "add", "arguments": {"a": 2, "b": 3}}])
         return render_call_text([{"name": "pick", "arguments": {"n": 3}}])  # the grammar relaxed "not"
 
-    res = Agent(ScriptedGenerator(tiny_target, script), [add, pick], drafter="none", max_retries=1).run("go")
+    res = Agent(ScriptedGenerator(tiny_target, script), [add, pick], drafter="none", max_retries=1).run(
+        "Add 2 and 3, then pick 3.")
     assert res.error and "pick" in res.error and "not" in res.error
     assert [(r.call.name, r.result) for r in res.tool_calls] == [("add", 5)]  # the earlier result is kept
     assert [m["role"] for m in res.messages] == ["user", "assistant", "tool", "assistant", "user", "assistant"]

@@ -310,7 +310,8 @@ def test_hermes_takes_a_json_fence_under_auto_as_text_and_required_still_calls(s
 
 
 def test_grounding_reads_numbers_and_strings_of_the_conversation():
-    from agent.parallel_calls import Grounding, brings_new_values, conversation_text
+    from agent.grounding import Grounding, conversation_text
+    from agent.parallel_calls import brings_new_values
 
     text = conversation_text([{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": [{"type": "text", "text": "Population of New  York in "

@@ -65,7 +65,8 @@ class ToolFormat:
     def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,
                      response_format: dict | None = None, max_string_length: int | None = None,
                      max_decimals: int | None = None, after_results: bool = False,
-                     lenient_answer: bool = False, min_calls: int = 2) -> Grammar:
+                     lenient_answer: bool = False, min_calls: int = 2,
+                     answer_opens_no_call: bool | None = None) -> Grammar:
         """The grammar of one assistant turn.
 
         Args:
@@ -83,6 +84,9 @@ class ToolFormat:
                 the model's end entirely, so only ``agent.parallel_calls.ParallelCallsEnd`` (a repeat, a call with
                 no new value from the conversation, the cap) or the budget end the turn (chosen on the dev split:
                 docs/benchmarks.md, "Several calls in one turn").
+            answer_opens_no_call: a text answer may not start with what opens a call (``call_prefixes``); None:
+                where calls are allowed too (so text and calls are told apart). True also under ``"none"``: the
+                answer the engine decodes instead of a call that took nothing from the conversation.
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
@@ -106,7 +110,8 @@ class ToolFormat:
                 answer = narrow_for_grammar(response_format, lenient=lenient_answer, compiles=schema_compiles)
                 rules.append(f"answer: {lark_json(answer, separators=SEPARATORS, lenient=lenient_answer)}")
             else:
-                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(self.call_prefixes() if start else ())}/")
+                no_call = bool(start) if answer_opens_no_call is None else answer_opens_no_call
+                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(self.call_prefixes() if no_call else ())}/")
             start.append("answer")
         return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
 

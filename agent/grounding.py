@@ -1,0 +1,153 @@
+"""Where a call's values come from: the conversation's own text, or the model.
+
+Small models invent values. Two rules judge a decoded call by whether its values are written in the conversation
+(every ``system``, ``developer``, ``user`` and ``tool`` message: :func:`conversation_text`), both chosen on the
+dev split (docs/benchmarks.md, "Values from the conversation") and both off with ``EngineConfig(grounding=False)``:
+
+* **optional arguments** (:func:`drop_unwritten_optional`): an argument the tool does not require is dropped when
+  one of its strings or numbers is not written in the conversation (:class:`Grounding`), so the tool's own default
+  applies. Qwen2.5-Coder-0.5B otherwise fills them with the description's example (``"mission": "Mission 1"``) or a
+  guess (``"date_range": "2023-01-01 to 2023-01-31"`` where the question names no date).
+* **the tool choice** (:func:`takes_from_conversation`): a turn none of whose calls takes anything from the
+  conversation (each holds strings or numbers, and none of them, nor a word of them, is written there) called a
+  tool that does not fit: ``OpenWeatherMap(location="Seoul, South Korea", api_key="YOUR_API_KEY_HERE")`` for
+  "who is park ji sung". ``LocalEngine`` decodes the turn again with those tools masked out of the grammar (the
+  prompt is unchanged, so its KV cache is reused); under ``tool_choice="auto"`` with no tool left, or once the
+  retries are spent, the turn is a text answer; under ``"required"`` the first call stands when no tool's call
+  takes from the conversation.
+
+The rules read text, not meaning: a value the model translates ("上海" → "Shanghai"), converts ("five" → 5) or
+infers correctly from no words at all counts as not written.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+# a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers), 0.5, .5, 1e-05
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+_WORD = re.compile(r"\w+")
+# numbers people write as words (cardinals and ordinals): "two dice", "the third page"
+_NUMBER_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+_NUMBER_WORDS.update({w: 10 * i for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)})
+_NUMBER_WORDS.update({w: i for i, w in enumerate(
+    "first second third fourth fifth sixth seventh eighth ninth tenth".split(), 1)})
+_NUMBER_WORDS.update({"hundred": 100, "thousand": 1000, "million": 10 ** 6, "dozen": 12, "twice": 2, "once": 1})
+_PERCENT = re.compile(r"\s*(?:%|per\s*cent)", re.IGNORECASE)
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """The text a call's values may come from: every ``system``, ``developer``, ``user`` and ``tool`` message's
+    content (text parts of a list content), joined by newlines."""
+    parts = []
+    for m in messages:
+        if m.get("role") not in ("system", "developer", "user", "tool"):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(parts)
+
+
+def leaf_values(value: Any) -> Iterator[Any]:
+    """The scalars of a JSON value (strings, numbers, booleans, null), depth first."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaf_values(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from leaf_values(v)
+    else:
+        yield value
+
+
+def is_text_or_number(value: Any) -> bool:
+    """A string or a number (not a boolean): the values a conversation can write. The strings ``"true"``,
+    ``"false"`` and ``"null"`` are literals (tools that take source code, such as Java or JavaScript calls,
+    write booleans so), not text."""
+    if isinstance(value, str):
+        return value.strip() not in ("true", "false", "null")
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Grounding:
+    """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
+    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen"), a string found in the text ignoring case and runs of whitespace; booleans and null always
+    (``value in grounding``). :meth:`mentions` is looser: a string one of whose words is written counts."""
+
+    def __init__(self, text: str):
+        text = text.replace("\u2212", "-")  # the minus sign
+        self.text = " ".join(text.casefold().split())
+        self.words = set(_WORD.findall(self.text))
+        self.numbers = set()
+        for m in _NUMBER.finditer(text):
+            x = float(m.group().replace(",", ""))
+            self.numbers.add(number_key(x))
+            if _PERCENT.match(text, m.end()):  # "95%" is also 0.95
+                self.numbers.add(number_key(x / 100))
+        self.numbers |= {_NUMBER_WORDS[w] for w in self.words if w in _NUMBER_WORDS}
+
+    def __contains__(self, value: Any) -> bool:
+        if value is None or isinstance(value, bool):
+            return True
+        if isinstance(value, (int, float)):
+            return number_key(value) in self.numbers
+        if isinstance(value, str):
+            return " ".join(value.casefold().split()) in self.text
+        return False
+
+    def mentions(self, value: Any) -> bool:
+        """Whether the text writes ``value``: a number or a string of three or more characters as ``in`` reads it,
+        or one word of the string: three or more ASCII letters or digits written as a word of the text, or a run
+        of two or more non-ASCII ones (Korean, Chinese …) written anywhere in it (such scripts do not separate
+        words by spaces). Booleans and null are not mentions."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value in self
+        if not isinstance(value, str):
+            return False
+        if len(value.strip()) >= 3 and value in self:
+            return True
+        for w in _WORD.findall(value.casefold()):
+            if w.isascii() and len(w) >= 3 and w in self.words:
+                return True
+            if not w.isascii() and len(w) >= 2 and w in self.text:
+                return True
+        return False
+
+
+def number_key(x: int | float) -> int | float:
+    """A number as one key whatever its JSON spelling (``1`` and ``1.0`` alike); integers beyond a float's range
+    stay exact integers."""
+    try:
+        f = float(x)
+    except OverflowError:
+        return int(x)
+    return int(f) if f.is_integer() and abs(f) < 2 ** 53 else f
+
+
+def takes_from_conversation(call: dict, grounding: Grounding) -> bool:
+    """Whether ``call`` (``{"name", "arguments"}``) takes a value from the conversation: it holds no string or
+    number at all (nothing to judge), or one of them is mentioned (:meth:`Grounding.mentions`)."""
+    values = [v for v in leaf_values(call.get("arguments")) if is_text_or_number(v)]
+    return not values or any(grounding.mentions(v) for v in values)
+
+
+def drop_unwritten_optional(call: dict, parameters: dict, grounding: Grounding) -> dict:
+    """``call`` without the arguments that ``parameters`` (the tool's JSON Schema) does not require and that hold a
+    string or number not written in the conversation (``value in grounding``, at any depth of the argument).
+
+    Returns the same dict when nothing is dropped, else a new ``{"name", "arguments", ...}`` (other keys kept).
+    Dropping only removes keys the schema does not require; the caller validates the result again (a schema may
+    still constrain which keys appear, e.g. ``minProperties``).
+    """
+    args = call.get("arguments")
+    if not isinstance(args, dict) or not isinstance(parameters, dict):
+        return call
+    required = set(parameters.get("required") or ())
+    kept = {k: v for k, v in args.items()
+            if k in required or all(v2 in grounding for v2 in leaf_values(v) if is_text_or_number(v2))}
+    return call if len(kept) == len(args) else {**call, "arguments": kept}

@@ -1,0 +1,132 @@
+"""Which optional arguments should a call keep? Simulate rules on recorded BFCL outputs (dev split only).
+
+Small models fill optional parameters nobody asked for (an invented ``unit``, a ``limit`` of 10, a ``location`` the
+question never names), and BFCL's checker counts such a call wrong. A rule that drops an optional argument is a
+function of the decoded call alone (the turn's text is unchanged, single-turn questions), so it is simulated
+exactly on the output of ``python -m agent bfcl`` (one ``ID<TAB>VALID<TAB>CORRECT<TAB>OUTPUT`` line per question):
+
+* ``as decoded``: every argument kept;
+* ``grounded`` (what ``agent.grounding`` does): an optional argument (not in the tool's ``required``) is dropped when
+  one of its string or number values is not written in the conversation's system, developer, user or tool
+  messages (``agent.grounding.drop_unwritten_optional``); booleans and null count as written;
+* ``grounded, strings only`` / ``grounded, numbers only``: the same, judging only string / only number values;
+* ``grounded, not enums``: as ``grounded``, but a value from the parameter's ``enum`` is kept;
+* ``grounded or default``: as ``grounded``, but a value equal to the parameter's ``default`` is kept;
+* ``no optional``: every optional argument dropped.
+
+Beside them, ``takes nothing (right / wrong)`` counts the turns none of whose calls takes a value from the
+conversation (``agent.grounding.takes_from_conversation``: the turns ``LocalEngine`` decodes again without those
+tools), and how many of them were right as decoded; what the retry decodes cannot be simulated from one output.
+
+Usage::
+
+    python -m agent bfcl --model qwen2.5-coder-0.5b --backend llamacpp --threads 1 --category multiple \\
+        --split dev --limit 30 --no-grounding > dev_multiple.tsv
+    python scripts/optional_values.py dev_multiple.tsv [more.tsv ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RULES = ("as decoded", "grounded", "grounded, strings only", "grounded, numbers only", "grounded, not enums",
+         "grounded or default", "no optional")
+
+
+def _category(question_id: str) -> str:
+    from bench.bfcl import CATEGORIES
+
+    return max((c for c in CATEGORIES if question_id.startswith(c + "_")), key=len)
+
+
+def keep(rule: str, value, spec: dict, grounding) -> bool:
+    """Whether ``rule`` keeps an optional argument of value ``value`` (``spec``: its parameter schema)."""
+    from agent.grounding import leaf_values
+
+    def judged(v) -> bool:
+        if rule == "grounded, strings only":
+            return isinstance(v, str)
+        if rule == "grounded, numbers only":
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        return True
+
+    if rule == "as decoded":
+        return True
+    if rule == "no optional":
+        return False
+    if rule == "grounded, not enums" and value in (spec.get("enum") or []):
+        return True
+    if rule == "grounded or default" and "default" in spec and spec["default"] == value:
+        return True
+    return all(v in grounding for v in leaf_values(value) if judged(v))
+
+
+def simulate(paths: list[str], split: str) -> None:
+    from agent.formats.hermes import HermesFormat
+    from agent.grounding import Grounding, conversation_text, takes_from_conversation
+    from bench.bfcl import bfcl_turn, is_irrelevance, load_questions
+
+    rows: dict[str, tuple[dict, str]] = {}
+    totals: dict[str, dict[str, int]] = {}
+    fmt = HermesFormat(None)
+    for path in paths:
+        for line in open(path):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 4 or parts[1] not in ("0", "1"):
+                continue
+            qid, valid, _, text = parts[0], parts[1] == "1", parts[2], json.loads(parts[3])
+            category = _category(qid)
+            if is_irrelevance(category):
+                continue
+            if category not in {c for _, c in rows.values()}:
+                rows.update({r["id"]: (r, category) for r in load_questions(category, None, None, split)})
+            row, _ = rows[qid]
+            turn = bfcl_turn(row, category)
+            grounding = Grounding(conversation_text(turn.messages))
+            calls = (fmt.parse(text)[0] or []) if valid else None
+            verdicts = {}
+            for rule in RULES:
+                if calls is None:
+                    verdicts[rule] = False
+                    continue
+                kept = []
+                for c in calls:
+                    tool = next((t for t in turn.tools if t.name == c.get("name")), None)
+                    schema = tool.parameters if tool is not None else {}
+                    required = set(schema.get("required", []))
+                    props = schema.get("properties", {})
+                    args = {k: v for k, v in (c.get("arguments") or {}).items()
+                            if k in required or keep(rule, v, props.get(k) or {}, grounding)}
+                    kept.append({"name": c.get("name"), "arguments": args})
+                verdicts[rule] = turn.check(kept)
+            t = totals.setdefault(category, {"n": 0, **{r: 0 for r in RULES}, "flagged": 0, "flagged right": 0})
+            t["n"] += 1
+            if calls and not any(takes_from_conversation(c, grounding) for c in calls):
+                t["flagged"] += 1
+                t["flagged right"] += verdicts["as decoded"]
+            for r, v in verdicts.items():
+                t[r] += v
+            if len(set(verdicts.values())) > 1:
+                print(qid, {r: int(v) for r, v in verdicts.items()}, text[:300].replace("\n", " "))
+    print("\n| category | n | " + " | ".join(RULES) + " | takes nothing (right / wrong) |\n|---|---:|"
+          + "---:|" * (len(RULES) + 1))
+    for name, t in totals.items():
+        print(f"| {name} | {t['n']} | " + " | ".join(str(t[r]) for r in RULES)
+              + f" | {t['flagged right']} / {t['flagged'] - t['flagged right']} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("outputs", nargs="+", help="files of `python -m agent bfcl` output lines")
+    ap.add_argument("--split", default="dev", choices=("dev", "test"))
+    args = ap.parse_args()
+    simulate(args.outputs, args.split)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Where a call's values come from (agent/grounding.py): optional arguments the conversation does not write are
+dropped, and a turn whose calls take nothing from the conversation is decoded again without those tools."""
+from __future__ import annotations
+
+import pytest
+
+from agent import Agent
+from agent.engine import DecodedTurn, EngineConfig, LocalEngine
+from agent.grounding import Grounding, drop_unwritten_optional, takes_from_conversation
+from decoding import DecodeStats
+
+from test_formats import WEATHER
+from test_turn_end import TIME, call_text, scripted, scripted_backend  # noqa: F401 (scripted_backend: a fixture)
+
+USER = [{"role": "user", "content": "What is the weather in Oslo, in celsius?"}]
+
+
+def test_mentions_reads_words_numbers_and_scripts_without_spaces():
+    g = Grounding("Weather today in Boston in fahrenheit? 我想知道上海目前的天气 and 5,000 steps")
+    assert g.mentions("Boston, MA") and g.mentions("fahrenheit") and g.mentions(5000) and g.mentions("上海, 中国")
+    assert not g.mentions("Seoul, South Korea") and not g.mentions(42) and not g.mentions("in")  # short words
+    assert not g.mentions("YOUR_API_KEY_HERE") and "Boston, MA" not in g  # whole value: not written
+    assert g.mentions("Boston") and "boston" in g
+    g = Grounding("a 95% confidence interval, 5 percent off")
+    assert 0.95 in g and 95 in g and 0.05 in g and 0.5 not in g
+    g = Grounding("Roll two dice and show the third page")
+    assert 2 in g and 3 in g and 4 not in g
+
+
+def test_boolean_literals_written_as_strings_are_not_judged():
+    g = Grounding("Refresh the data, keep the state")  # BFCL's Java tools write booleans as "true" / "false"
+    assert takes_from_conversation({"name": "refresh", "arguments": {"keepState": "true", "append": "false"}}, g)
+    call = {"name": "refresh", "arguments": {"keepState": "true"}}
+    assert drop_unwritten_optional(call, {"type": "object"}, g) is call
+
+
+def test_a_call_takes_from_the_conversation_when_one_string_or_number_is_mentioned():
+    g = Grounding("who is park ji sung?")
+    assert not takes_from_conversation({"name": "w", "arguments": {"location": "Seoul", "api_key": "KEY"}}, g)
+    assert takes_from_conversation({"name": "s", "arguments": {"keyword": "Park Ji-sung", "max_results": 10}}, g)
+    assert takes_from_conversation({"name": "now", "arguments": {}}, g)  # nothing to judge
+    assert takes_from_conversation({"name": "f", "arguments": {"verbose": True}}, g)
+
+
+def test_optional_arguments_the_conversation_does_not_write_are_dropped_required_ones_never():
+    g = Grounding("Rewards for Fortnite on PlayStation, 3 players, sorted by date")
+    params = {"type": "object", "required": ["game"], "properties": {}}
+    call = {"name": "rewards", "id": "c1", "arguments": {
+        "game": "Minecraft", "platform": "PlayStation", "mission": "Mission 1", "players": 3, "limit": 10,
+        "sort": {"by": "date"}, "tags": ["fortnite", "new"], "public": False}}
+    out = drop_unwritten_optional(call, params, g)
+    assert out["arguments"] == {"game": "Minecraft", "platform": "PlayStation", "players": 3, "sort": {"by": "date"},
+                                "public": False}
+    assert out["id"] == "c1" and call["arguments"]["mission"] == "Mission 1"  # the input is not changed
+    whole = {"name": "rewards", "arguments": {"game": "Fortnite", "players": 3}}
+    assert drop_unwritten_optional(whole, params, g) is whole
+
+
+@pytest.mark.parametrize("grounding", [True, False])
+def test_the_agent_returns_a_decoded_call_without_its_invented_optional_argument(smol_dir, grounding):
+    """A real constrained decode (the scripted model writes ``days: 3`` nobody asked for): with grounding the
+    returned, validated call leaves ``days`` to the tool; without it the call is as decoded."""
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("get_weather", {"city": "Oslo", "unit": "celsius",
+                                                                                    "days": 3})]), "<|im_end|>")
+    res = Agent(gen, [WEATHER], config=EngineConfig(grounding=grounding)).run(USER, tool_choice="required",
+                                                                            max_steps=1)
+    expected = {"city": "Oslo", "unit": "celsius"} if grounding else {"city": "Oslo", "unit": "celsius", "days": 3}
+    assert res.pending_calls[0].arguments == expected
+
+
+def _turn(calls, text="", stop="eos", tokens=5, is_call=None):
+    return DecodedTurn(text or str(calls), calls, calls is not None if is_call is None else is_call, stop,
+                       DecodeStats(new_tokens=tokens))
+
+
+def _scripted_decodes(monkeypatch, engine, turns):
+    """Make ``engine._decode`` return ``turns`` in order; returns the list of (exclude, answer_only) it was asked."""
+    asked = []
+
+    def decode(*args, exclude=None, answer_only=False):
+        asked.append((set(exclude or ()), answer_only))
+        return turns[len(asked) - 1]
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    return asked
+
+
+PARIS = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+LIMA = {"name": "get_time", "arguments": {"city": "Lima"}}
+ROME = {"name": "get_time", "arguments": {"city": "Rome"}}
+ASK_LIMA = [{"role": "user", "content": "What time is it in Lima?"}]
+
+
+def test_a_call_that_takes_nothing_from_the_conversation_is_decoded_again_without_its_tool(smol_dir, monkeypatch):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn([LIMA], tokens=7)])
+    out = engine.turn(ASK_LIMA, [WEATHER, TIME], "required")
+    assert out.calls == [LIMA] and asked == [(set(), False), ({"get_weather"}, False)]
+    assert out.stats.new_tokens == 12  # both decodes counted
+
+
+def test_required_keeps_the_first_call_when_no_tool_takes_from_the_conversation(smol_dir, monkeypatch):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn([ROME])])
+    out = engine.turn(ASK_LIMA, [WEATHER, TIME], "required")
+    assert out.calls == [PARIS] and len(asked) == 2  # the second tool's call was no better: the model's first
+    assert out.stats.new_tokens == 10
+
+
+def test_auto_answers_in_text_once_no_tool_is_left(smol_dir, monkeypatch):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn(None, text="I cannot tell the time.")])
+    out = engine.turn(ASK_LIMA, [WEATHER], "auto")
+    assert out.calls is None and out.text == "I cannot tell the time." and asked[1] == (set(), True)
+
+
+@pytest.mark.parametrize("case", ["named", "off", "grounded", "retry cut"])
+def test_no_retry_where_the_call_is_named_grounding_is_off_or_the_call_is_grounded(smol_dir, monkeypatch, case):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    first = [LIMA] if case == "grounded" else [PARIS]
+    asked = _scripted_decodes(monkeypatch, engine, [_turn(first), _turn(None, stop="length", is_call=True)])
+    choice = {"name": "get_weather"} if case == "named" else "required"
+    out = engine.turn(ASK_LIMA, [WEATHER, TIME], choice, config=EngineConfig(grounding=case != "off"))
+    assert out.calls == first and len(asked) == (2 if case == "retry cut" else 1)
+
+
+def test_the_retry_grammar_masks_the_excluded_tool_and_keeps_the_prompt(smol_dir):
+    fmt, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    ids, grammar, *_ = engine._prepare(ASK_LIMA, [WEATHER, TIME], "required", None, None, EngineConfig())
+    ids2, masked, allowed, _ = engine._prepare(ASK_LIMA, [WEATHER, TIME], "required", None, None, EngineConfig(),
+                                               exclude={"get_weather"})
+    assert ids2 == ids and [t.name for t in allowed] == ["get_time"]
+    tokens = gen.tokenizer.encode(call_text("hermes", [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+                                  add_special_tokens=False)
+    assert gen.new_state(grammar).valid_prefix_len(tokens) == len(tokens)
+    assert gen.new_state(masked).valid_prefix_len(tokens) < len(tokens)
+    # the text answer decoded instead cannot write a call as text either (a bare JSON object is a call in hermes)
+    *_, answer, none_allowed, mode = engine._prepare(ASK_LIMA, [WEATHER, TIME], "auto", None, None, EngineConfig(),
+                                                    answer_only=True)
+    assert none_allowed == [] and mode == "none"
+    bare = gen.tokenizer.encode('{"name": "get_time"', add_special_tokens=False)
+    text = gen.tokenizer.encode("I cannot tell.", add_special_tokens=False)
+    assert gen.new_state(answer).valid_prefix_len(bare) == 0
+    assert gen.new_state(answer).valid_prefix_len(text) == len(text)
+
+
+def test_engine_config_checks_the_grounding_fields():
+    with pytest.raises(ValueError, match="grounding_retries"):
+        EngineConfig(grounding_retries=-1)
+    with pytest.raises(ValueError, match="grounding"):
+        EngineConfig(grounding="yes")
+
+
+def test_a_request_turns_grounding_off_with_its_own_field_and_a_bad_value_names_it():
+    from agent.openai_protocol import RequestError, parse_chat_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+    assert parse_chat_request(body, EngineConfig(), ("m",)).config.grounding is True
+    assert parse_chat_request({**body, "grounding": False}, EngineConfig(), ("m",)).config.grounding is False
+    with pytest.raises(RequestError, match="grounding") as e:
+        parse_chat_request({**body, "grounding": "no"}, EngineConfig(), ("m",))
+    assert e.value.status == 400 and e.value.param == "grounding"
