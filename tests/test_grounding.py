@@ -165,3 +165,15 @@ def test_a_request_turns_grounding_off_with_its_own_field_and_a_bad_value_names_
     with pytest.raises(RequestError, match="grounding") as e:
         parse_chat_request({**body, "grounding": "no"}, EngineConfig(), ("m",))
     assert e.value.status == 400 and e.value.param == "grounding"
+
+
+def test_an_argument_required_only_inside_allof_is_never_dropped(smol_dir):
+    """``drop_unwritten_optional`` reads the top-level ``required``; the engine keeps the decoded call wherever the
+    reduced one would not validate (here both keys are required inside ``allOf``)."""
+    from schemas import Tool
+
+    trip = Tool.from_schema("trip", {"type": "object", "allOf": [{"properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}]})
+    _, gen = scripted(smol_dir, "hermes", call_text("hermes", [("trip", {"city": "Lima", "days": 6})]), "<|im_end|>")
+    res = Agent(gen, [trip]).run("Plan a trip.", tool_choice="required", max_steps=1)
+    assert res.pending_calls[0].arguments == {"city": "Lima", "days": 6}
