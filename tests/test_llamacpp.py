@@ -277,6 +277,6 @@ def test_batch_rowcost_times_batched_and_one_sequence_decodes():
     assert r["ms_one_row_alone"] > 0
     assert [b["rows"] for b in r["batched"]] == [3, 6, 12]
     assert [b["rows"] for b in r["one_sequence"]] == [8, 32, 128]
-    assert all(b["ms"] > 0 and b["ms_per_row"] == pytest.approx(b["ms"] / b["rows"], abs=0.01)
+    assert all(b["ms"] > 0 and b["ms_per_row"] == pytest.approx(b["ms"] / b["rows"], abs=0.05 / b["rows"] + 0.005)
                and b["share_of_one_row"] == pytest.approx(b["ms_per_row"] / r["ms_one_row_alone"], rel=0.05, abs=0.002)
                for b in r["batched"] + r["one_sequence"])
