@@ -76,8 +76,9 @@ def is_text_or_number(value: Any) -> bool:
 
 class Grounding:
     """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
-    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen"), a string found in the text ignoring case and runs of whitespace; booleans and null always
-    (``value in grounding``). :meth:`mentions` is looser: a string one of whose words is written counts."""
+    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen"), a string found in the
+    text ignoring case and runs of whitespace; booleans and null always (``value in grounding``). :meth:`mentions`
+    is looser: a string one of whose words is written counts."""
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign

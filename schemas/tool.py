@@ -29,7 +29,8 @@ class ToolCall:
 
     Attributes:
         name: the tool's registered name.
-        arguments: the arguments exactly as decoded (parsed JSON object).
+        arguments: the arguments as the engine returned them (parsed JSON object; an engine may leave out
+            optional arguments the model wrote).
         value: the validated arguments: a pydantic model instance for function/model tools, a dict for raw schemas.
         id: an OpenAI-style call id (``call_<hex>``).
     """
