@@ -13,7 +13,13 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``grounded only``: as ``new values``, but a call whose new values are only booleans (a recombination) is kept;
 * ``a new tool counts``: as ``new values``, but a call of a tool no earlier call used is kept when its new values
   are all written in the conversation;
-* ``new values from call 2``: as ``new values``, applied from the second call on.
+* ``new values from call 2``: as ``new values``, applied from the second call on;
+* ``named tool``: as ``new values``, but a call of a new tool a word of whose name the conversation writes (and no
+  earlier tool's name holds) is kept when its new values are all written (:func:`named_new_tool`);
+* ``skip unwritten`` (``, named tool``): a call past the first holding a new value the conversation does not write
+  is skipped and the turn goes on (:func:`skipping`).
+
+Every variant's calls pass the engine's optional-argument rule before they are scored (:func:`without_unwritten`).
 
 Usage::
 
@@ -26,6 +32,7 @@ import argparse
 import json
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +54,8 @@ def record(args) -> None:
 
     # the end masked (the grammar asks for cap + 1 calls) and no new-values rule: only a repeat, the cap (8) or the
     # budget end the turn, so every rule simulated is a prefix of this output
-    agent.engine.conversation_text = lambda messages: None
+    end_rule = agent.engine.ParallelCallsEnd
+    agent.engine.ParallelCallsEnd = lambda fmt, max_calls, context=None: end_rule(fmt, max_calls, context=None)
     engine = LocalEngine(args.model, backend="llamacpp", threads=1)
     prompts = {}
     prepare = engine._prepare
@@ -59,7 +67,7 @@ def record(args) -> None:
 
     engine._prepare = keep_prompt
     config = EngineConfig(max_string_length=MAX_STRING_LENGTH, max_decimals=MAX_DECIMALS,
-                          max_new_tokens=args.max_new_tokens)
+                          max_new_tokens=args.max_new_tokens, grounding=False)  # raw calls: simulate drops
     llm = llama_cpp.Llama(str(gguf_of(args.model)[0]), n_ctx=4096, n_threads=1, logits_all=True, verbose=False)
     eog = [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, i)]
     open_id, close_id, nl = (llm.tokenize(s, add_bos=False, special=True)[0]
@@ -91,6 +99,61 @@ def record(args) -> None:
                 print(row["id"], len(bounds), [round(b["eog"] - b["open"], 1) for b in bounds], flush=True)
 
 
+def without_unwritten(call: dict, tools, grounding) -> dict:
+    """The engine's optional-argument rule (``LocalEngine.turn``): unwritten optional arguments dropped where the
+    reduced call still validates."""
+    from agent.grounding import drop_unwritten_optional
+
+    tool = next((t for t in tools if t.name == call.get("name")), None)
+    if tool is None:
+        return call
+    dropped = drop_unwritten_optional(call, tool.parameters, grounding)
+    try:
+        tool.validate(dropped["arguments"])
+    except Exception:
+        return call
+    return dropped
+
+
+def named_new_tool(call: dict, earlier: list[dict], grounding) -> bool:
+    """A call of a tool no earlier call used, a word of whose name (three or more letters, split at ``.``, ``_``
+    and case changes) the conversation writes and no earlier call's tool name holds, every new value written."""
+    import re
+
+    from agent.grounding import leaf_values
+
+    def words(name: str) -> set[str]:
+        return {w.casefold() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+", name) if len(w) >= 3}
+
+    if call["name"] in {c["name"] for c in earlier}:
+        return False
+    seen = {json.dumps(v) for c in earlier for v in leaf_values(c["arguments"])}
+    if not all(v in grounding for v in leaf_values(call["arguments"]) if json.dumps(v) not in seen):
+        return False
+    used = set().union(*(words(c["name"]) for c in earlier)) if earlier else set()
+    return any(w in grounding.words for w in words(call["name"]) - used)
+
+
+def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict]:
+    """Calls past the first holding a new value the conversation does not write are skipped (the turn goes on);
+    past the second kept call, one that brings no new value ends the turn (or, ``mentioned_tool``, is kept when
+    :func:`named_new_tool`)."""
+    from agent.grounding import leaf_values
+    from agent.parallel_calls import brings_new_values
+
+    kept: list[dict] = []
+    for c in calls:
+        if kept:
+            seen = {json.dumps(v) for k in kept for v in leaf_values(k["arguments"])}
+            if not all(v in grounding for v in leaf_values(c["arguments"]) if json.dumps(v) not in seen):
+                continue
+        if len(kept) >= 2 and not brings_new_values(c, kept, grounding) and not (
+                mentioned_tool and named_new_tool(c, kept, grounding)):
+            break
+        kept.append(c)
+    return kept
+
+
 def simulate(args) -> None:
     from agent.formats.hermes import HermesFormat
     from agent.grounding import Grounding, conversation_text, leaf_values
@@ -107,6 +170,9 @@ def simulate(args) -> None:
             calls = [c for c, _ in HermesFormat(None).complete_calls(rec["text"])]
             grounding = Grounding(conversation_text(turn.messages))
             bounds = rec["bounds"]
+            check = turn.check
+            turn = SimpleNamespace(ground_truth=turn.ground_truth, check=lambda kept, check=check, turn=turn: check(
+                [without_unwritten(c, turn.tools, grounding) for c in kept]))
 
             def model_ends(k: int) -> bool:  # after call k (1-based)
                 return k > len(bounds) or bounds[k - 1]["eog"] > bounds[k - 1]["open"]
@@ -131,13 +197,18 @@ def simulate(args) -> None:
                                 c["name"] not in {x["name"] for x in e} and grounded_only(c, e)), 2)]),
                         "new values from call 2": turn.check(
                             calls[:first_failing(lambda c, e: brings_new_values(c, e, grounding), 1)])}
+            verdicts["skip unwritten"] = turn.check(skipping(calls, grounding, mentioned_tool=False))
+            verdicts["skip unwritten, named tool"] = turn.check(skipping(calls, grounding, mentioned_tool=True))
+            verdicts["named tool"] = turn.check(calls[:first_failing(
+                lambda c, e: brings_new_values(c, e, grounding) or named_new_tool(c, e, grounding), 2)])
             t = totals.setdefault(f"{Path(path).name} {category}", {"n": 0, **{k: 0 for k in verdicts}})
             t["n"] += 1
             for k, v in verdicts.items():
                 t[k] += v
             print(rec["id"], f"ground truth {len(turn.ground_truth)} calls; kept: masked {len(calls)}, "
                   f"model {model}, new values {new}", {k: int(v) for k, v in verdicts.items()})
-    names = ["masked", "model", "new values", "grounded only", "a new tool counts", "new values from call 2"]
+    names = ["masked", "model", "new values", "grounded only", "a new tool counts", "new values from call 2",
+             "named tool", "skip unwritten", "skip unwritten, named tool"]
     print("\n| records, category | n | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
     for name, t in totals.items():
         print(f"| {name} | {t['n']} | " + " | ".join(str(t[k]) for k in names) + " |")
