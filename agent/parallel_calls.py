@@ -11,13 +11,16 @@ ends the turn there, from the calls alone:
 * **nothing new from the conversation** (only where the model's end is masked: ``context`` given): a call past
   the first ``free_calls`` must bring a value no earlier call has that is not a boolean or null, and every value
   no earlier call has must be written in the conversation (``agent.grounding.Grounding``); the first call that
-  does not ends the turn and is dropped;
+  does not ends the turn and is dropped; a call still being written ends it as soon as one of its finished
+  values is such a value (the whole call would end it too), so a runaway invented value (a list of made-up names
+  until the budget) cannot cut the turn;
 * **cap**: the turn holds ``max_calls`` calls.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Any, Iterator
 
 from .formats import ToolFormat
 from .grounding import Grounding, leaf_values, number_key
@@ -28,6 +31,26 @@ def _value_key(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"n:{number_key(value)}"
     return json.dumps(value)
+
+
+# JSON tokens of a call being written: strings, numbers, literals and punctuation (whitespace between)
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null|[\[\]{}:,]|\s+')
+
+
+def finished_values(partial: str) -> Iterator[Any]:
+    """The scalar argument values a call still being written has finished: those after its ``"arguments"`` key
+    that a ``,``, ``]`` or ``}`` follows (a number or string at the end of the text may still grow; keys, followed
+    by ``:``, are not values)."""
+    i = partial.find('"arguments"')
+    if i < 0:
+        return
+    tokens = [m.group() for m in _JSON_TOKEN.finditer(partial, i + len('"arguments"')) if not m.group().isspace()]
+    for tok, nxt in zip(tokens, tokens[1:]):
+        if nxt in (",", "]", "}") and tok not in ("[", "]", "{", "}", ":", ","):
+            try:
+                yield json.loads(tok)
+            except ValueError:
+                return
 
 
 def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> bool:
@@ -44,9 +67,10 @@ def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> 
 class ParallelCallsEnd:
     """The end rule of a several-call turn (module docstring), passed to ``Generator.generate(stop_when=…)``.
 
-    The decode stops at the first committed step whose text completes the call that ends the turn, so its token
-    count (``stats``) includes the dropped call and whatever that step committed past it: a speculative step may
-    commit more than one token per forward, so counts differ between drafters while the kept text does not.
+    The decode stops at the first committed step whose text completes the call that ends the turn (or finishes one
+    of its unwritten new values), so its token count (``stats``) includes the dropped call's text and whatever that
+    step committed past it: a speculative step may commit more than one token per forward, so counts differ between
+    drafters while the kept text does not.
     Streamed text (``on_text``) stops before that step; the start of the dropped call may have been streamed.
 
     Args:
@@ -82,6 +106,13 @@ class ParallelCallsEnd:
         keep = next((i for i in range(1, len(calls)) if self._ends[i]), None)
         if keep is None and len(calls) >= self.max_calls:
             keep = self.max_calls
+        if keep is None and self.grounding is not None and len(calls) >= max(self.free_calls, 1):
+            # the call being written holds a finished value no earlier call has and the conversation does not
+            # write: whole, it would end the turn (brings_new_values); end it now
+            seen = {_value_key(v) for c in calls for v in leaf_values(c.get("arguments"))}
+            partial = text[found[-1][1]:] if found else text
+            if any(_value_key(v) not in seen and v not in self.grounding for v in finished_values(partial)):
+                keep = len(calls)
         if keep is None:
             return False
         self.text = self.fmt.calls_text(text, found[keep - 1][1])

@@ -309,6 +309,36 @@ def test_hermes_takes_a_json_fence_under_auto_as_text_and_required_still_calls(s
     WEATHER.make_call(turn.calls[0]["arguments"])
 
 
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_a_call_being_written_with_an_unwritten_value_ends_the_several_call_turn_before_the_budget(smol_dir, drafter):
+    """The third call's finished value "Paris" is not in the conversation: the whole call would end the turn, so the
+    turn ends as soon as that value is finished, not at the budget (a runaway invented value cannot cut it); where
+    the conversation writes Paris, the same budget cuts the turn and only the whole calls come back."""
+    paris = {"city": "Paris", "unit": "celsius"}
+    text = call_text("hermes", [("get_weather", OSLO), ("get_weather", ROME), ("get_weather", paris)])
+    fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
+    budget = len(gen.tokenizer.encode(text[:text.index('"Paris",') + len('"Paris", "un')], add_special_tokens=False))
+    engine = LocalEngine(gen)
+    config = EngineConfig(drafter=drafter, max_new_tokens=budget)
+    two = [{"name": "get_weather", "arguments": OSLO}, {"name": "get_weather", "arguments": ROME}]
+    ended = engine.turn([{"role": "user", "content": "Weather in Oslo and Rome?"}], [WEATHER], "required",
+                        parallel_tool_calls=True, config=config)
+    assert ended.stop_reason == "stop" and not ended.truncated and ended.calls == two
+    assert fmt.parse(ended.text)[0] == two
+    cut = engine.turn([{"role": "user", "content": "Weather in Oslo, Rome and Paris?"}], [WEATHER], "required",
+                      parallel_tool_calls=True, config=config)
+    assert cut.truncated and cut.calls == two
+
+
+def test_finished_values_of_a_call_being_written():
+    from agent.parallel_calls import finished_values
+
+    assert list(finished_values('<tool_call>\n{"name": "f", "arguments": {"xs": ["apple", "ban')) == ["apple"]
+    assert list(finished_values('{"name": "f", "arguments": {"a": 5, "b": "q\\"x", "c": [1, 2.5], "d": 3')) == [
+        5, 'q"x', 1, 2.5]  # 3 may still grow
+    assert list(finished_values('{"name": "f", "argu')) == []
+
+
 def test_grounding_reads_numbers_and_strings_of_the_conversation():
     from agent.grounding import Grounding, conversation_text
     from agent.parallel_calls import brings_new_values
