@@ -17,10 +17,10 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DecodeStats, Generator, LoadedModel,
                       SamplingParams, check_drafter)
-from schemas import Tool, ToolCallError
+from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .grounding import Grounding, conversation_text, drop_unwritten_optional, takes_from_conversation
+from .grounding import Grounding, conversation_text, takes_from_conversation, without_unwritten_optional
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
@@ -271,24 +271,8 @@ class LocalEngine:
                 break
         out.stats = stats
         if out.calls:
-            out.calls = [self._without_unwritten_optional(c, allowed, grounding) for c in out.calls]
+            out.calls = [without_unwritten_optional(c, allowed, grounding) for c in out.calls]
         return out
-
-    @staticmethod
-    def _without_unwritten_optional(call: dict, allowed: list[Tool], grounding: Grounding) -> dict:
-        """``call`` less its optional arguments the conversation does not write, where the result still validates
-        against the tool (a key required only inside ``allOf``/``anyOf``, ``minProperties`` …): else as decoded."""
-        tool = next((t for t in allowed if t.name == call.get("name")), None)
-        if tool is None:
-            return call
-        dropped = drop_unwritten_optional(call, tool.parameters, grounding)
-        if dropped is call:
-            return call
-        try:
-            tool.validate(dropped["arguments"])
-        except ToolCallError:  # the reduced call is refused: the decoded one stands
-            return call
-        return dropped
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
                 exclude: set | None = None, answer_only: bool = False) -> DecodedTurn:

@@ -22,7 +22,9 @@ infers correctly from no words at all counts as not written.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from schemas import Tool, ToolCallError
 
 # a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers), 0.5, .5, 1e-05
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -152,3 +154,20 @@ def drop_unwritten_optional(call: dict, parameters: dict, grounding: Grounding) 
     kept = {k: v for k, v in args.items()
             if k in required or all(v2 in grounding for v2 in leaf_values(v) if is_text_or_number(v2))}
     return call if len(kept) == len(args) else {**call, "arguments": kept}
+
+
+def without_unwritten_optional(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:
+    """``call`` less its optional arguments the conversation does not write (:func:`drop_unwritten_optional`
+    against its tool among ``tools``), where the result still validates against that tool (a key required only
+    inside ``allOf``/``anyOf``, ``minProperties`` …); else, or for a tool not in ``tools``, ``call`` as decoded."""
+    tool = next((t for t in tools if t.name == call.get("name")), None)
+    if tool is None:
+        return call
+    dropped = drop_unwritten_optional(call, tool.parameters, grounding)
+    if dropped is call:
+        return call
+    try:
+        tool.validate(dropped["arguments"])
+    except ToolCallError:  # the reduced call is refused: the decoded one stands
+        return call
+    return dropped

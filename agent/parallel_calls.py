@@ -33,6 +33,11 @@ def _value_key(value: Any) -> str:
     return json.dumps(value)
 
 
+def _value_keys(calls: list[dict]) -> set[str]:
+    """The keys (:func:`_value_key`) of every scalar the arguments of ``calls`` hold."""
+    return {_value_key(v) for c in calls for v in leaf_values(c.get("arguments"))}
+
+
 # JSON tokens of a call being written: strings, numbers, literals and punctuation (whitespace between)
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|true|false|null|[\[\]{}:,]|\s+')
 
@@ -59,7 +64,7 @@ def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> 
     already used is what the models add unasked (dev split: counting a new tool as new took Qwen2.5-Coder-0.5B's
     parallel_multiple from 19 to 16 of 30, the 1.5B's from 11 to 8 of 12); so a call without arguments past the
     second ends the turn."""
-    seen = {_value_key(v) for c in earlier for v in leaf_values(c.get("arguments"))}
+    seen = _value_keys(earlier)
     new = [v for v in leaf_values(call.get("arguments")) if _value_key(v) not in seen]
     return any(v is not None and not isinstance(v, bool) for v in new) and all(v in grounding for v in new)
 
@@ -109,7 +114,7 @@ class ParallelCallsEnd:
         if keep is None and self.grounding is not None and len(calls) >= max(self.free_calls, 1):
             # the call being written holds a finished value no earlier call has and the conversation does not
             # write: whole, it would end the turn (brings_new_values); end it now
-            seen = {_value_key(v) for c in calls for v in leaf_values(c.get("arguments"))}
+            seen = _value_keys(calls)
             partial = text[found[-1][1]:] if found else text
             if any(_value_key(v) not in seen and v not in self.grounding for v in finished_values(partial)):
                 keep = len(calls)

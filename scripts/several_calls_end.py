@@ -19,7 +19,8 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``skip unwritten`` (``, named tool``): a call past the first holding a new value the conversation does not write
   is skipped and the turn goes on (:func:`skipping`).
 
-Every variant's calls pass the engine's optional-argument rule before they are scored (:func:`without_unwritten`).
+Every variant's calls pass the engine's optional-argument rule before they are scored
+(``agent.grounding.without_unwritten_optional``).
 
 Usage::
 
@@ -99,22 +100,6 @@ def record(args) -> None:
                 print(row["id"], len(bounds), [round(b["eog"] - b["open"], 1) for b in bounds], flush=True)
 
 
-def without_unwritten(call: dict, tools, grounding) -> dict:
-    """The engine's optional-argument rule (``LocalEngine.turn``): unwritten optional arguments dropped where the
-    reduced call still validates."""
-    from agent.grounding import drop_unwritten_optional
-
-    tool = next((t for t in tools if t.name == call.get("name")), None)
-    if tool is None:
-        return call
-    dropped = drop_unwritten_optional(call, tool.parameters, grounding)
-    try:
-        tool.validate(dropped["arguments"])
-    except Exception:
-        return call
-    return dropped
-
-
 def named_new_tool(call: dict, earlier: list[dict], grounding) -> bool:
     """A call of a tool no earlier call used, a word of whose name (three or more letters, split at ``.``, ``_``
     and case changes) the conversation writes and no earlier call's tool name holds, every new value written."""
@@ -156,7 +141,7 @@ def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict
 
 def simulate(args) -> None:
     from agent.formats.hermes import HermesFormat
-    from agent.grounding import Grounding, conversation_text, leaf_values
+    from agent.grounding import Grounding, conversation_text, leaf_values, without_unwritten_optional
     from agent.parallel_calls import brings_new_values
     from bench.bfcl import bfcl_turn, load_questions
 
@@ -172,7 +157,7 @@ def simulate(args) -> None:
             bounds = rec["bounds"]
             check = turn.check
             turn = SimpleNamespace(ground_truth=turn.ground_truth, check=lambda kept, check=check, turn=turn: check(
-                [without_unwritten(c, turn.tools, grounding) for c in kept]))
+                [without_unwritten_optional(c, turn.tools, grounding) for c in kept]))
 
             def model_ends(k: int) -> bool:  # after call k (1-based)
                 return k > len(bounds) or bounds[k - 1]["eog"] > bounds[k - 1]["open"]
