@@ -49,7 +49,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", dest="engine", default=None, choices=tuple(BACKENDS), help="the older name of --backend")
     p.add_argument("--backend", dest="backend", default=None, choices=tuple(BACKENDS),
                    help="what runs the model (--engine is an alias; default: llamacpp for a GGUF on the CPU where "
-                        "llama-cpp-python is installed, else torch; torch for --drafter mtp/lookup_mtp/draft_model): "
+                        "llama-cpp-python is installed, else torch; torch for --drafter mtp/lookup_mtp): "
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "

@@ -178,7 +178,8 @@ class Bench:
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
         self.log = log
         self.gen = Generator(loaded, draft_model=draft_model)  # defaults: DEFAULT_DRAFTER, default γ
-        self.draft_loaded: LoadedModel | None = None
+        self.draft_spec = draft_model
+        self.draft_loaded = None  # the draft on the loaded model's backend (also HF's assistant_model on torch)
         self.draft_error: str | None = "no --draft-model given" if draft_model is None else None
         if draft_model is not None:
             try:
@@ -195,17 +196,27 @@ class Bench:
     # -- per-mode setup (raises SkipMode) ------------------------------------------------------------------------------
     def check(self, mode: str) -> None:
         """Raise :class:`SkipMode` when ``mode`` cannot run here."""
-        if mode == "draft_model" and self.draft_loaded is None:
+        backend, drafter = our_modes().get(mode, (None, None))
+        if drafter == "draft_model" and backend == backend_of(self.loaded).name and self.draft_loaded is None:
             raise SkipMode(self.draft_error or "no draft model")
-        backend = our_modes().get(mode, (None, None))[0]
         if backend is not None and backend not in self.generators:
             if self.model_spec is None:
                 raise SkipMode(f"the {backend} backend loads the model from its spec; the model was passed in "
                                f"already loaded")
             try:
-                self.generators[backend] = Generator(self.model_spec, backend=backend, threads=self.threads)
+                self.generators[backend] = Generator(self.model_spec, backend=backend, threads=self.threads,
+                                                     draft_model=self.draft_spec if isinstance(self.draft_spec, str)
+                                                     else None)
             except (LlamaCppUnavailableError, ModelNotFoundError) as e:
                 raise SkipMode(str(e)) from None
+        if drafter == "draft_model":  # the draft loads on the mode's backend, beside its target
+            if self.draft_spec is None:
+                raise SkipMode("no --draft-model given")
+            try:
+                self.generators[backend].draft_model()
+            except (LlamaCppUnavailableError, ModelNotFoundError, ValueError, OSError) as e:
+                raise SkipMode(f"draft model {self.draft_spec!r} cannot be loaded on the {backend} backend: "
+                               f"{e}") from None
         lookup = mode == "llamacpp_lookup_constrained"
         if mode in ("llamacpp_constrained", "llamacpp_unconstrained", "llamacpp_lookup_constrained") and \
                 self._llamacpp.get(lookup) is None:
@@ -260,9 +271,10 @@ class Bench:
         from .hf_peer import hf_generate
 
         if constrained:
+            assistant = self.draft_loaded if isinstance(self.draft_loaded, LoadedModel) else None  # torch only
             r = hf_generate(self.loaded, p.ids, max_new_tokens=self.max_new_tokens, state=self.gen.new_state(p.grammar),
-                            prompt_lookup_num_tokens=None if self.draft_loaded else self.prompt_lookup_num_tokens,
-                            assistant_model=self.draft_loaded.model if self.draft_loaded else None,
+                            prompt_lookup_num_tokens=None if assistant else self.prompt_lookup_num_tokens,
+                            assistant_model=assistant.model if assistant else None,
                             num_assistant_tokens=self.num_draft_tokens)
         else:
             r = hf_generate(self.loaded, p.ids, max_new_tokens=self.max_new_tokens)

@@ -4,7 +4,7 @@ of how to load a model on each backend and what each can give a drafter.
 
 Two backends exist:
     ``torch``     transformers (``decoding/model.py``): fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA;
-                  hidden states and torch weights for the MTP head and a draft model.
+                  hidden states and torch weights for the MTP head.
     ``llamacpp``  llama.cpp's CPU kernels on the GGUF as shipped (``decoding/llamacpp.py``).
 
 A drafter row (:data:`decoding.registry.DRAFTERS`) says what it needs from the backend (:data:`HIDDEN_STATES`,
@@ -27,8 +27,8 @@ from .loader import LoadedModel, check_threads, load_model
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
-TORCH_WEIGHTS = "torch_weights"  # the loaded model is a torch module (a draft model on its device; the MTP head's
-#                                   shared embedding, norm and LM head)
+TORCH_WEIGHTS = "torch_weights"  # the loaded model is a torch module (the MTP head's shared embedding, norm and LM
+#                                   head)
 
 
 @runtime_checkable
@@ -136,6 +136,9 @@ class Backend:
         portable: ``portable(loaded) -> (model, load kwargs)`` to rebuild the loaded model in another process (Ray):
             the model itself where it pickles, else its file and the arguments it was loaded with.
         describe: ``describe(loaded) -> str``, where it runs, for start-up lines (``"torch on cpu"``).
+        draft_args: ``draft_args(loaded) -> load kwargs``: how a draft model is loaded beside the target ``loaded``
+            (``load(draft_spec, **draft_args(loaded))``: the target's device and dtype, or its threads and context),
+            so the ``draft_model`` drafter runs on the target's backend.
         bench_prefix: prefix of the benchmark's mode names for this backend's decoding modes.
         batcher: ``batcher(loaded, max_batch=, seq_ctx=, max_rows=, exact_prefill=) -> scheduler``, or its
             ``"module:name"`` (imported when batching is asked for: ``decoding.batch`` imports the decoders, which
@@ -151,6 +154,7 @@ class Backend:
     provides: frozenset[str] = field(default_factory=frozenset)
     portable: Callable[[Any], tuple[Any, dict]] = lambda loaded: (loaded, {})
     describe: Callable[[Any], str] = lambda loaded: str(loaded.device)
+    draft_args: Callable[[Any], dict] = lambda loaded: {}
     bench_prefix: str = ""
     batcher: Callable[..., Any] | str | None = None
 
@@ -185,13 +189,15 @@ BACKENDS: dict[str, Backend] = {
         "torch", "transformers: fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA; every drafter",
         LoadedModel, _load_torch, lambda loaded, kv_cache: CausalLM(loaded, cache=kv_cache),
         provides=frozenset({HIDDEN_STATES, TORCH_WEIGHTS}),
-        describe=lambda loaded: f"torch on {loaded.device}"),
+        describe=lambda loaded: f"torch on {loaded.device}",
+        draft_args=lambda loaded: {"device": str(loaded.device), "dtype": loaded.dtype}),
     "llamacpp": Backend(
         "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`)",
         LlamaCppModel, _load_llamacpp, lambda loaded, kv_cache: loaded.new_lm(),
         portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
                                                     "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
+        draft_args=lambda loaded: {"threads": loaded.n_threads, "ctx_size": loaded.n_ctx},
         bench_prefix="llamacpp_engine_", batcher="decoding.batch:BatchScheduler"),
 }
 DEFAULT_BACKEND = "llamacpp" if llamacpp_available() else "torch"  # where a backend is not named (see choose_backend)
@@ -236,7 +242,7 @@ def choose_backend(model: str | None, *, device: str = "cpu", dtype: str = "floa
     """The default backend for a model spec: ``llamacpp`` (llama.cpp's CPU kernels on the GGUF as shipped: loads in
     about a second, the fastest decode on a CPU) where llama-cpp-python is installed, the model is a GGUF (an alias or
     a ``.gguf`` file), it runs on the CPU in the default dtype and the drafter ``needs`` nothing llama.cpp lacks;
-    else ``torch`` (GPUs, Hugging Face directories, the MTP head and draft-model drafters)."""
+    else ``torch`` (GPUs, Hugging Face directories, the MTP head drafters)."""
     cpp = BACKENDS.get("llamacpp")
     if cpp is None or DEFAULT_BACKEND != "llamacpp" or device != "cpu" or dtype not in ("float32", "fp32"):
         return "torch"

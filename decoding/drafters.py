@@ -8,12 +8,16 @@ before any drafter is asked.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from constraints import ConstraintState, apply_bitmask, is_allowed_row
 
-from .model import CausalLM
 from .sampling import SamplingParams, pick
+
+if TYPE_CHECKING:
+    from .backends import TargetModel
 
 
 class Drafter:
@@ -136,27 +140,34 @@ class PromptLookupDrafter(Drafter):
 class DraftModelDrafter(Drafter):
     """A smaller model with the same tokenizer and its own KV cache drafts token by token, masking its logits
     with the grammar row (so every draft is grammatical). Greedy: argmax (one-hot q). Sampling: a draw from its
-    masked, renormalised q, returned for the Leviathan et al. acceptance test.
+    masked, renormalised q, returned for the Leviathan et al. acceptance test (2211.17192, §2.3).
 
     The draft cache follows the sequence by longest common prefix: rollback after rejection is a crop, and
-    schema-forced tokens it did not see are fed in the next draft forward, batched.
+    schema-forced tokens it did not see are fed in the next draft forward, batched. After :meth:`reset` the first
+    proposal starts from the backend's prefix cache (``reuse_prefix``: on llama.cpp the draft's context keeps the
+    previous turn, so a turn with the same system prompt and tools prefills only its new tokens on the draft too).
+
+    Args:
+        model: the draft's KV-cached forward on the target's backend (a :class:`decoding.backends.TargetModel`:
+            :class:`decoding.model.CausalLM` or :class:`decoding.llamacpp.LlamaCppLM`).
     """
 
     name = "draft_model"
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: TargetModel):
         self.model = model
-        self.cached: list[int] = []
+        self.cached: list[int] | None = None  # what the draft's KV cache holds; None: not known (sync by prefix)
         self.forwards = 0
 
     def reset(self) -> None:
-        self.model.reset()
-        self.cached = []
+        self.cached = None
 
     def propose(self, tokens, state, bitmask_row, sampling, generator):
-        keep = _common_prefix(self.cached, tokens)
-        keep = min(keep, len(tokens) - 1)  # at least one token to feed, for fresh logits
-        self.model.crop(keep)
+        if self.cached is None or self.model.length != len(self.cached):
+            keep = self.model.reuse_prefix(tokens)  # <= len(tokens) - 1: one token at least to feed
+        else:
+            keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
+            self.model.crop(keep)
         logits, _ = self.model.forward(tokens[keep:], num_logits=1)
         self.forwards += 1
         self.cached = list(tokens)

@@ -26,7 +26,7 @@ from schemas.errors import SpecAgentError
 from .backends import BACKENDS, Backend, backend_name, backend_of
 from .decoder import decode, prefill
 from .drafters import Drafter
-from .loader import DEFAULT_MODEL, LoadedModel, load_model
+from .loader import DEFAULT_MODEL, LoadedModel
 from .model import check_cache
 from .mtp import MTPError, load_head
 from . import registry
@@ -52,7 +52,8 @@ class Generator:
         drafter: default drafting mode (see module docstring).
         num_draft_tokens: γ, drafter tokens per window.
         adaptive: adapt γ online from acceptance.
-        draft_model: the draft model (``LoadedModel`` or spec) for ``drafter="draft_model"``.
+        draft_model: the draft model for ``drafter="draft_model"``: a spec (loaded on the target's backend) or a
+            loaded model of that backend.
         device, dtype: used when ``model`` is a spec (torch backend).
         kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``, torch
             backend); None: static on CUDA, dynamic elsewhere.
@@ -95,7 +96,7 @@ class Generator:
         self.num_draft_tokens = num_draft_tokens
         self.adaptive = adaptive
         self._draft_spec = draft_model
-        self._draft_loaded: LoadedModel | None = None
+        self._draft_loaded = None  # the loaded draft model (the target backend's model type)
         self._mtp_head = None
         self._mtp_card: dict = {}
         self._auto: str | None = None  # what ``auto`` resolved to (once per generator)
@@ -127,11 +128,13 @@ class Generator:
         (``loaded.eog_token_ids``) is allowed wherever the grammar accepts, and ends the decode."""
         return ConstraintState(self.llg_tokenizer, grammar, self.eog_token_ids)
 
-    def draft_model(self) -> LoadedModel:
-        """The draft model for ``drafter="draft_model"`` (loaded once, on the target's device and dtype).
+    def draft_model(self):
+        """The draft model for ``drafter="draft_model"``, loaded once on the target's backend the way the target was
+        (``Backend.draft_args``: the same device and dtype on torch; the same threads and context size on llama.cpp).
 
         Raises:
-            ValueError: no ``draft_model=`` was given, or its tokenizer differs from the target's.
+            ValueError: no ``draft_model=`` was given, a loaded draft model of another backend, or a tokenizer that
+                differs from the target's.
             ModelNotFoundError: the draft model's files are missing.
         """
         self.check_supported("draft_model")
@@ -141,11 +144,24 @@ class Generator:
                     raise ValueError("drafter 'draft_model' needs draft_model=... (a smaller model with the same "
                                      "tokenizer)")
                 spec = self._draft_spec
-                self._draft_loaded = spec if isinstance(spec, LoadedModel) else load_model(
-                    spec, device=str(self.loaded.device), dtype=self.loaded.dtype)
-                if self._draft_loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                if isinstance(spec, str):
+                    loaded = self.backend.load(spec, **self.backend.draft_args(self.loaded))
+                elif isinstance(spec, self.backend.model_type):
+                    loaded = spec
+                else:
+                    raise ValueError(f"the draft model is a {type(spec).__name__}; the target runs on backend "
+                                     f"{self.backend.name!r}, whose models are {self.backend.model_type.__name__} "
+                                     f"(pass a spec to load it there)")
+                if loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
                     raise ValueError("the draft model's tokenizer differs from the target's")
+                self._draft_loaded = loaded
             return self._draft_loaded
+
+    def new_draft_target(self):
+        """A fresh KV-cached forward wrapper of the draft model (:meth:`draft_model`) for one sequence, on the
+        target's backend (a :class:`decoding.backends.TargetModel`; llama.cpp: this thread's context of the draft,
+        so its prefix cache carries over from turn to turn)."""
+        return self.backend.new_target(self.draft_model(), self.kv_cache)
 
     def mtp_head(self):
         """The model's MTP head (loaded once; raises FileNotFoundError / MTPError when none fits)."""

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Callable
 
 from .backends import HIDDEN_STATES, TORCH_WEIGHTS
 from .drafters import ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
-from .model import CausalLM
 from .mtp import MTPDrafter
 
 if TYPE_CHECKING:
@@ -51,8 +50,8 @@ DRAFTERS: dict[str, DrafterRow] = {
     "lookup": DrafterRow(lambda gen: ChainDrafter([SchemaDrafter(), PromptLookupDrafter()]),
                          summary="forced + fast-forward + prompt lookup"),
     "draft_model": DrafterRow(
-        lambda gen: ChainDrafter([SchemaDrafter(), DraftModelDrafter(CausalLM(gen.draft_model(), cache=gen.kv_cache))]),
-        needs=frozenset({TORCH_WEIGHTS}), summary="forced + fast-forward + a smaller draft model (same tokenizer)"),
+        lambda gen: ChainDrafter([SchemaDrafter(), DraftModelDrafter(gen.new_draft_target())]),
+        summary="forced + fast-forward + a smaller draft model (same tokenizer, on the target's backend)"),
     # forced tokens are free; the head drafts the rest
     "mtp": DrafterRow(lambda gen: MTPDrafter(gen.mtp_head()), needs=_MTP_NEEDS,
                       summary="forced + the model's MTP head"),

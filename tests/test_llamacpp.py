@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from agent import Agent
-from agent.formats.generic import parse_turn, turn_grammar
+from agent.formats.generic import parse_turn, render_prompt, turn_grammar
 from bench.bfcl import load_questions
 from bench.bfcl_dialect import tool_from_bfcl
 from decoding import Generator, LlamaCppModel, ModelNotFoundError, SamplingParams, load_llamacpp
+from decoding.drafters import DraftModelDrafter
+from decoding.speculative import speculative_decode
 
 from helpers import assert_identical_with_fewer_forwards, decode_bfcl
 from test_model import BFCL_FIXTURE
@@ -116,6 +118,61 @@ def test_agent_runs_tools_on_the_llamacpp_backend(cpp):
     assert res.final_answer
     factory, args, kwargs = agent.engine.spec()  # rebuilt from the GGUF path (ctypes handles do not pickle)
     assert kwargs["backend"] == "llamacpp" and args[0].endswith(".gguf")
+
+
+@pytest.fixture(scope="module")
+def gen_draft(cpp):
+    """SmolLM2 drafting for itself on llama.cpp (loaded beside the target: one thread, the same context size), so in
+    the identity configuration every greedy draft token is the target's own argmax."""
+    return Generator(cpp, draft_model="smollm2")
+
+
+def test_draft_model_runs_on_the_llamacpp_backend_token_identical_with_every_draft_accepted(gen_draft, questions,
+                                                                                            references):
+    draft = gen_draft.draft_model()
+    assert isinstance(draft, LlamaCppModel) and draft is not gen_draft.loaded
+    assert (draft.n_threads, draft.n_ctx) == (gen_draft.loaded.n_threads, gen_draft.loaded.n_ctx)
+    assert_identical_with_fewer_forwards(gen_draft, questions, references, "draft_model",
+                                         max_new_tokens=MAX_NEW_TOKENS)
+    drafted = accepted = 0
+    for row in questions[:4]:  # the draft alone (no schema fast-forward, whose tokenisation the target may reject):
+        tools = [tool_from_bfcl(fn) for fn in row["function"]]  # a stale row of its KV cache would show as a rejection
+        ids = render_prompt(gen_draft.tokenizer, [m for turn in row["question"] for m in turn], tools)
+        state = gen_draft.new_state(turn_grammar(tools, "required", parallel=False, max_string_length=200,
+                                                 max_decimals=8))
+        s = speculative_decode(gen_draft.new_target(), ids, state, DraftModelDrafter(gen_draft.new_draft_target()),
+                               max_new_tokens=MAX_NEW_TOKENS, tokenizer=gen_draft.tokenizer).stats
+        drafted, accepted = drafted + s.drafted, accepted + s.accepted
+    assert drafted > 20 and accepted == drafted
+
+
+def test_draft_model_reuses_its_prefix_cache_from_decode_to_decode(gen_draft):
+    drafter = DraftModelDrafter(gen_draft.new_draft_target())
+    fed: list[int] = []
+    forward = drafter.model.forward
+    drafter.model.forward = lambda tokens, **kw: (fed.append(len(tokens)), forward(tokens, **kw))[1]
+    prompt = gen_draft.tokenizer.encode("The weather in Paris is mild in spring and warm in summer. " * 4)
+    state = gen_draft.new_state(turn_grammar([], "none", parallel=False))
+    row = state.next_mask()
+    drafter.reset()
+    first = drafter.propose(prompt, state, row, SamplingParams(), None)
+    drafter.reset()  # a new decode: the draft's context still holds the prompt
+    again = drafter.propose(prompt + prompt[:2], state, row, SamplingParams(), None)
+    drafter.model.reset()  # emptied: the same proposal from a full prefill
+    drafter.reset()
+    fresh = drafter.propose(prompt + prompt[:2], state, row, SamplingParams(), None)
+    assert fed == [len(prompt), 2, len(prompt) + 2]
+    assert first is not None and again == fresh
+
+
+def test_sampled_draft_model_output_validates_on_the_llamacpp_backend(gen_draft, questions):
+    row = questions[0]
+    tools, res = decode_bfcl(gen_draft, row, "draft_model", sampling=SamplingParams(temperature=0.8, seed=2),
+                             max_new_tokens=4 * MAX_NEW_TOKENS)
+    assert not res.truncated and res.stats.drafted > 0
+    calls, _ = parse_turn(res.text)
+    assert calls and len(calls) == 1, res.text
+    {t.name: t for t in tools}[calls[0]["name"]].make_call(calls[0]["arguments"])  # raises if invalid
 
 
 def test_drafters_that_need_torch_weights_are_refused_with_a_clear_error(cpp):
