@@ -170,9 +170,22 @@ def _drafter_label(generator, name: str) -> str:
     return name if resolved == name else f"{name} ({resolved})"
 
 
+def _decimals(text: str) -> int | str:
+    """``--max-decimals``: a count of decimals >= 0, or ``none``."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of decimals or 'none', got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count of decimals >= 0 or 'none', got {n}")
+    return n
+
+
 def cmd_bfcl(args) -> int:
     # the benchmark's runner and scorer live in bench/, outside the product packages: imported only here
-    from bench.bfcl import CATEGORIES, MAX_DECIMALS, MAX_STRING_LENGTH, run_bfcl, summary_table
+    from bench.bfcl import CATEGORIES, MAX_STRING_LENGTH, run_bfcl, summary_table
     from bench.parse_only import RUNTIMES, parse_only_factory
 
     from .agent import Agent
@@ -181,8 +194,8 @@ def cmd_bfcl(args) -> int:
 
     if args.max_string_length is None:
         args.max_string_length = MAX_STRING_LENGTH
-    if args.max_decimals is None:
-        args.max_decimals = MAX_DECIMALS
+    if args.max_decimals == "none":  # numbers unbounded (the default, as the Agent's): exponents can be written
+        args.max_decimals = None
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?
@@ -254,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
     p.add_argument("--max-string-length", type=int, default=None,  # None: bench.bfcl.MAX_STRING_LENGTH
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
-    p.add_argument("--max-decimals", type=int, default=None,  # None: bench.bfcl.MAX_DECIMALS
-                   help="grammar bound on numbers: decimals, no exponent, |x| <= 1e15")
+    p.add_argument("--max-decimals", type=_decimals, default="none",
+                   help="grammar bound on numbers: N decimals, no exponent, |x| <= 1e15; 'none' (default, as the "
+                        "Agent's): unbounded (llguidance admits an exponent only in an unbounded number)")
     p.add_argument("--runtime", default="ours",
                    help="ours (grammar-constrained) | parse-only (free generation, then vLLM's hermes parser or the "
                         "format's own) | ours,parse-only (both, one table)")

@@ -58,6 +58,18 @@ def test_a_new_backend_row_is_a_cli_choice(fake_backend):
         build_parser().parse_args(["run", "--backend", "nope", "--tools", "m:o", "hi"])
 
 
+def test_bfcl_max_decimals_flag_takes_a_count_or_none(capsys):
+    from agent.__main__ import build_parser
+
+    parse = lambda *a: build_parser().parse_args(["bfcl", *a]).max_decimals  # noqa: E731
+    assert parse() == "none" and parse("--max-decimals", "NONE") == "none"  # default: unbounded (exponents allowed)
+    assert parse("--max-decimals", "8") == 8
+    for bad in ("-1", "eight"):
+        with pytest.raises(SystemExit):
+            parse("--max-decimals", bad)
+        assert "--max-decimals" in capsys.readouterr().err
+
+
 def test_cli_refuses_disagreeing_backend_flags_and_bad_threads(capsys):
     from agent.__main__ import main
 
