@@ -49,7 +49,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", dest="engine", default=None, choices=tuple(BACKENDS), help="the older name of --backend")
     p.add_argument("--backend", dest="backend", default=None, choices=tuple(BACKENDS),
                    help="what runs the model (--engine is an alias; default: llamacpp for a GGUF on the CPU where "
-                        "llama-cpp-python is installed, else torch; torch for --drafter mtp/lookup_mtp): "
+                        "llama-cpp-python is installed, else torch): "
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "
@@ -77,7 +77,7 @@ def _agent(args, tools, **kwargs):
 
 def _backend_args(args) -> dict:
     """``backend``/``threads`` keyword arguments (None where the user kept the default; a drafter that needs what
-    the default backend lacks, such as the MTP head's hidden states, picks ``torch``)."""
+    the default backend lacks picks a backend that has it)."""
     if args.backend and args.engine and args.backend != args.engine:
         raise UserError(f"--backend {args.backend} and --engine {args.engine} disagree (--engine is the older name "
                         f"of --backend)")

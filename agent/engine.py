@@ -182,7 +182,7 @@ class LocalEngine:
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)
             and a Jinja chat template replacing the tokenizer's.
         drafter: the drafter the runs will use, when the engine loads the model: with no backend named, one that
-            needs the torch backend (``mtp``, ``lookup_mtp``) picks it.
+            needs what the default backend lacks picks a backend that has it.
     Raises:
         ValueError: load-time arguments given with a model that is already loaded (they would be ignored).
         ToolFormatError: unknown ``tool_format``, or no chat template.

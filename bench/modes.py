@@ -251,12 +251,12 @@ class Bench:
         raise ValueError(f"unknown mode {mode!r}")
 
     def run_ours(self, drafter: str | None, p: BenchPrompt, num_draft_tokens: int | None,
-                 gen: Generator | None = None) -> Run:
-        """``Generator.generate`` greedy with ``drafter`` (None: the default) and γ (None: the default), on the
-        Generator of the loaded model's backend or ``gen``."""
+                 gen: Generator | None = None, window: str | None = None) -> Run:
+        """``Generator.generate`` greedy with ``drafter`` (None: the default), γ (None: the default) and ``window``
+        (None: the Generator's), on the Generator of the loaded model's backend or ``gen``."""
         gen = gen or self.gen
         res = gen.generate(p.ids, p.grammar, max_new_tokens=self.max_new_tokens, drafter=drafter,
-                           num_draft_tokens=num_draft_tokens)
+                           num_draft_tokens=num_draft_tokens, window=window)
         s = res.stats
         speculative = (drafter or gen.drafter) != "none"
         return Run(res.tokens, res.text, res.truncated, s.seconds, s.tokens_per_s, s.target_forwards,

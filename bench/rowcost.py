@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
@@ -27,7 +25,7 @@ def measure(spec: str, *, threads: int, repack: bool, rows=DEFAULT_ROWS, prompt_
     """One configuration: ``{"ms_1_row", "cost": {n: multiple of 1 row}, "max_abs_diff": {n: float}}``."""
     import numpy as np
 
-    from decoding.llamacpp import load_llamacpp
+    from decoding.llamacpp import load_llamacpp, time_verify_rows
 
     loaded = load_llamacpp(spec, n_threads=threads, repack=repack, n_ctx=prompt_tokens + max(rows) + 8)
     text = "def add(a, b):\n    return a + b\n" * (prompt_tokens // 8 + 1)
@@ -37,20 +35,8 @@ def measure(spec: str, *, threads: int, repack: bool, rows=DEFAULT_ROWS, prompt_
     lm = loaded.new_lm()
     lm.reset()
     lm.forward(prompt, num_logits=1)
-    base = lm.length
-    alone = None
-    ms, diff = {}, {}
-    for n in rows:
-        times = []
-        for _ in range(repeat + 1):  # the first run warms the kernels for this n
-            t0 = time.perf_counter()
-            logits, _ = lm.forward(window[:n])
-            times.append(time.perf_counter() - t0)
-            lm.crop(base)
-        if alone is None:
-            alone = logits[0].clone()
-        ms[n] = statistics.median(times[1:]) * 1000
-        diff[n] = float((logits[0] - alone).abs().max())
+    ms, row0 = time_verify_rows(lm, window, rows, repeat)  # the product's own timing (its row-cost calibration)
+    diff = {n: float((row0[n] - row0[rows[0]]).abs().max()) for n in rows}
     return {"ms_1_row": round(ms[rows[0]], 2), "cost": {n: round(ms[n] / ms[rows[0]], 2) for n in rows},
             "max_abs_diff": diff}
 

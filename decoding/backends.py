@@ -5,7 +5,9 @@ of how to load a model on each backend and what each can give a drafter.
 Two backends exist:
     ``torch``     transformers (``decoding/model.py``): fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA;
                   hidden states and torch weights for the MTP head.
-    ``llamacpp``  llama.cpp's CPU kernels on the GGUF as shipped (``decoding/llamacpp.py``).
+    ``llamacpp``  llama.cpp's CPU kernels on the GGUF as shipped (``decoding/llamacpp.py``); hidden states from
+                  llama.cpp's per-token embeddings, and the MTP head's shared weights de-quantised from the GGUF
+                  (``decoding/gguf_weights.py``); a row-cost curve measured on the machine (``decoding/window.py``).
 
 A drafter row (:data:`decoding.registry.DRAFTERS`) says what it needs from the backend (:data:`HIDDEN_STATES`,
 :data:`TORCH_WEIGHTS`); a backend row says what it provides, and :meth:`Backend.supports` is the one check
@@ -27,8 +29,8 @@ from .loader import LoadedModel, check_threads, load_model
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
-TORCH_WEIGHTS = "torch_weights"  # the loaded model is a torch module (the MTP head's shared embedding, norm and LM
-#                                   head)
+TORCH_WEIGHTS = "torch_weights"  # the MTP head's shared embedding, final norm and LM head as torch modules
+#                                   (Backend.mtp_target: the torch model itself; llama.cpp: de-quantised from the GGUF)
 
 
 @runtime_checkable
@@ -77,9 +79,15 @@ class TargetModel(Protocol):
         """Empty the KV cache."""
         ...
 
-    def reuse_prefix(self, prompt: list[int]) -> int:
+    def reuse_prefix(self, prompt: list[int], hidden: bool = False) -> int:
         """Keep the longest prefix of ``prompt[:-1]`` still cached from the previous decode, drop the rest, and
-        return its length in tokens (0 for a backend without prefix caching, after emptying the cache)."""
+        return its length in tokens (0 for a backend without prefix caching, after emptying the cache). With
+        ``hidden``, only a prefix whose last-layer hidden states are kept too (:meth:`cached_hidden`)."""
+        ...
+
+    def cached_hidden(self, n: int) -> torch.Tensor:
+        """``float [n, d]``: the kept last-layer hidden states of the first ``n`` cached positions (after
+        ``reuse_prefix(prompt, hidden=True)`` returned at least ``n``). Raises ``ValueError`` when fewer are kept."""
         ...
 
     def synchronize(self) -> None:
@@ -139,6 +147,10 @@ class Backend:
         draft_args: ``draft_args(loaded) -> load kwargs``: how a draft model is loaded beside the target ``loaded``
             (``load(draft_spec, **draft_args(loaded))``: the target's device and dtype, or its threads and context),
             so the ``draft_model`` drafter runs on the target's backend.
+        mtp_target: ``mtp_target(loaded) -> nn.Module``: what the MTP head shares (token embedding, final norm, LM
+            head, config; ``decoding.mtp.load_head``'s ``target``), where the row provides :data:`TORCH_WEIGHTS`.
+        row_cost: ``row_cost(loaded) -> decoding.window.RowCost``: what a verify of n rows costs, measured on this
+            machine (the speculative window rule reads it); None where a verify costs about one forward (torch).
         bench_prefix: prefix of the benchmark's mode names for this backend's decoding modes.
         batcher: ``batcher(loaded, max_batch=, seq_ctx=, max_rows=, exact_prefill=) -> scheduler``, or its
             ``"module:name"`` (imported when batching is asked for: ``decoding.batch`` imports the decoders, which
@@ -155,6 +167,8 @@ class Backend:
     portable: Callable[[Any], tuple[Any, dict]] = lambda loaded: (loaded, {})
     describe: Callable[[Any], str] = lambda loaded: str(loaded.device)
     draft_args: Callable[[Any], dict] = lambda loaded: {}
+    mtp_target: Callable[[Any], Any] | None = None
+    row_cost: Callable[[Any], Any] | None = None
     bench_prefix: str = ""
     batcher: Callable[..., Any] | str | None = None
 
@@ -190,14 +204,17 @@ BACKENDS: dict[str, Backend] = {
         LoadedModel, _load_torch, lambda loaded, kv_cache: CausalLM(loaded, cache=kv_cache),
         provides=frozenset({HIDDEN_STATES, TORCH_WEIGHTS}),
         describe=lambda loaded: f"torch on {loaded.device}",
-        draft_args=lambda loaded: {"device": str(loaded.device), "dtype": loaded.dtype}),
+        draft_args=lambda loaded: {"device": str(loaded.device), "dtype": loaded.dtype},
+        mtp_target=lambda loaded: loaded.model),
     "llamacpp": Backend(
-        "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`)",
+        "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`); every drafter",
         LlamaCppModel, _load_llamacpp, lambda loaded, kv_cache: loaded.new_lm(),
+        provides=frozenset({HIDDEN_STATES, TORCH_WEIGHTS}),
         portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
                                                     "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
         draft_args=lambda loaded: {"threads": loaded.n_threads, "ctx_size": loaded.n_ctx},
+        mtp_target=lambda loaded: loaded.shared_weights(), row_cost=lambda loaded: loaded.row_cost(),
         bench_prefix="llamacpp_engine_", batcher="decoding.batch:BatchScheduler"),
 }
 DEFAULT_BACKEND = "llamacpp" if llamacpp_available() else "torch"  # where a backend is not named (see choose_backend)
@@ -242,7 +259,7 @@ def choose_backend(model: str | None, *, device: str = "cpu", dtype: str = "floa
     """The default backend for a model spec: ``llamacpp`` (llama.cpp's CPU kernels on the GGUF as shipped: loads in
     about a second, the fastest decode on a CPU) where llama-cpp-python is installed, the model is a GGUF (an alias or
     a ``.gguf`` file), it runs on the CPU in the default dtype and the drafter ``needs`` nothing llama.cpp lacks;
-    else ``torch`` (GPUs, Hugging Face directories, the MTP head drafters)."""
+    else ``torch`` (GPUs, Hugging Face directories)."""
     cpp = BACKENDS.get("llamacpp")
     if cpp is None or DEFAULT_BACKEND != "llamacpp" or device != "cpu" or dtype not in ("float32", "fp32"):
         return "torch"

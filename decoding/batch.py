@@ -91,7 +91,7 @@ class SlotTarget:
             RuntimeError: ``llama_decode`` failed (the slot is cropped back).
         """
         if hidden:
-            raise ValueError("the llama.cpp backend does not expose hidden states")
+            raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
         if not tokens:
             raise ValueError("forward needs at least one token")
         if self.length + len(tokens) > self.ctx.seq_ctx:
@@ -117,11 +117,18 @@ class SlotTarget:
     def reset(self) -> None:
         self.ctx.crop(self.seq_id, 0)
 
-    def reuse_prefix(self, prompt: list[int]) -> int:
-        """Keep the longest prefix of ``prompt[:-1]`` this slot still holds, drop the rest; returns its length."""
+    def reuse_prefix(self, prompt: list[int], hidden: bool = False) -> int:
+        """Keep the longest prefix of ``prompt[:-1]`` this slot still holds, drop the rest; returns its length.
+        ``hidden=True`` is refused (no hidden states under batching: ``ValueError``)."""
+        if hidden:
+            raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
         n = common_prefix(self.ctx.tokens[self.seq_id], prompt[:-1])
         self.ctx.crop(self.seq_id, n)
         return n
+
+    def cached_hidden(self, n: int) -> torch.Tensor:
+        """No hidden states under batching: ``ValueError``."""
+        raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
 
     def synchronize(self) -> None:
         """Nothing to wait for: ``llama_decode`` returns when its logits are ready."""

@@ -23,19 +23,20 @@ def prefill(target: TargetModel, prompt: list[int], stats: DecodeStats, *, hidde
     """Fill the cache with ``prompt[:-1]``; returns ``cur = prompt[-1]`` (not yet fed), or with ``hidden=True``
     ``(cur, last-layer hidden states float [len(prompt) - 1, d])``.
 
-    Without ``hidden``, a prefix of the prompt still in the backend's KV cache from the previous decode is kept
-    (``target.reuse_prefix``; counted in ``stats.prompt_tokens_cached``) and only the rest is prefilled."""
+    A prefix of the prompt still in the backend's KV cache from the previous decode is kept
+    (``target.reuse_prefix``; counted in ``stats.prompt_tokens_cached``) and only the rest is prefilled; with
+    ``hidden``, only a prefix whose hidden states the backend kept too (``target.cached_hidden``: llama.cpp keeps
+    them with its prefix slots; torch's cache lives for one decode, so it prefills it all)."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     t0 = time.perf_counter()
-    if hidden:  # the hidden states of every prompt position are wanted: prefill it all
-        target.reset()
-        reused = 0
-    else:
-        reused = target.reuse_prefix(prompt)
+    reused = target.reuse_prefix(prompt, hidden=hidden)
     h = None
     if len(prompt) - 1 > reused:
         _, h = target.forward(prompt[reused:-1], num_logits=1, hidden=hidden)
+    if hidden and reused:
+        kept = target.cached_hidden(reused)
+        h = kept if h is None else torch.cat([kept.to(h.device, h.dtype), h])
     target.synchronize()  # CUDA runs asynchronously: time the prefill, not its launch
     stats.prompt_tokens += len(prompt)
     stats.prompt_tokens_cached += reused

@@ -23,12 +23,12 @@ import torch
 from constraints import ConstraintState, Grammar, is_allowed_row, llg_tokenizer
 from schemas.errors import SpecAgentError
 
-from .backends import BACKENDS, Backend, backend_name, backend_of
+from .backends import BACKENDS, HIDDEN_STATES, Backend, backend_name, backend_of
 from .decoder import decode, prefill
 from .drafters import Drafter
 from .loader import DEFAULT_MODEL, LoadedModel
 from .model import check_cache
-from .mtp import MTPError, load_head
+from .mtp import MTPError, card_drafter, load_head, read_card
 from . import registry
 from .registry import AUTO, DEFAULT_DRAFTER, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, FALLBACK_DRAFTER, card_drafters, \
     check_drafter
@@ -37,6 +37,15 @@ from .speculative import speculative_decode
 from .stats import DecodeResult, DecodeStats
 
 __all__ = ["ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS", "Generator"]
+
+
+WINDOWS = ("cost", "fixed")  # how speculative windows are sized (Generator's ``window``)
+
+
+def check_window(window: str) -> None:
+    """Raise ``ValueError`` naming the choices unless ``window`` is one of :data:`WINDOWS`."""
+    if window not in WINDOWS:
+        raise ValueError(f"unknown window {window!r}; choose one of {', '.join(WINDOWS)}")
 
 
 class ContextLengthError(SpecAgentError, ValueError):
@@ -50,8 +59,12 @@ class Generator:
         model: a loaded model of some backend (:class:`LoadedModel`, :class:`decoding.llamacpp.LlamaCppModel`; its
             backend is the row whose ``model_type`` it is) or a spec for that backend's loader.
         drafter: default drafting mode (see module docstring).
-        num_draft_tokens: γ, drafter tokens per window.
+        num_draft_tokens: γ, drafter tokens per window (at most).
         adaptive: adapt γ online from acceptance.
+        window: ``"cost"`` (default): where the backend measures what a verify row costs (llama.cpp:
+            ``Backend.row_cost``), a token is drafted only where its expected gain pays for its row
+            (:mod:`decoding.window`); ``"fixed"``: γ drafter tokens whenever the drafter has them. The output is the
+            same either way (greedy: token for token; sampled: in distribution); only the speed differs.
         draft_model: the draft model for ``drafter="draft_model"``: a spec (loaded on the target's backend) or a
             loaded model of that backend.
         device, dtype: used when ``model`` is a spec (torch backend).
@@ -75,7 +88,11 @@ class Generator:
     def __init__(self, model: LoadedModel | str = DEFAULT_MODEL, *, drafter: str = DEFAULT_DRAFTER,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, adaptive: bool = False, draft_model: LoadedModel | str | None = None,
                  device: str = "cpu", dtype: str = "float32", backend: str | None = None, engine: str | None = None,
-                 threads: int | None = None, kv_cache: str | None = None, ctx_size: int | None = None):
+                 threads: int | None = None, kv_cache: str | None = None, ctx_size: int | None = None,
+                 window: str = "cost"):
+        check_window(window)
+        self.window = window
+        self.batcher = None  # a decoding.batch.BatchScheduler once enable_batching was called
         name = backend_name(backend, engine, model=model if isinstance(model, str) else None, device=device,
                             dtype=dtype, needs=DRAFTERS[drafter].needs if drafter in DRAFTERS else frozenset())
         if isinstance(model, str):
@@ -102,7 +119,6 @@ class Generator:
         self._auto: str | None = None  # what ``auto`` resolved to (once per generator)
         self.mtp_checkpoint = None  # directory of the MTP head (None: checkpoints/ default for this model)
         self._lock = threading.Lock()
-        self.batcher = None  # a decoding.batch.BatchScheduler once enable_batching was called
 
     @property
     def engine(self) -> str:
@@ -116,6 +132,9 @@ class Generator:
     def check_supported(self, drafter: str) -> None:
         """Raise ``ValueError`` when the backend lacks what drafter row ``drafter`` needs, naming what it lacks
         and the drafters it can run."""
+        if self.batcher is not None and HIDDEN_STATES in DRAFTERS[drafter].needs:
+            raise ValueError(f"the {drafter} drafter needs the target's hidden states, which continuous batching "
+                             f"(--max-batch) does not give; use lookup, or serve without --max-batch")
         if not self.supports(drafter):
             missing = sorted(DRAFTERS[drafter].needs - self.backend.provides)
             usable = [d for d in DRAFTERS if self.supports(d)]
@@ -168,7 +187,8 @@ class Generator:
         self.check_supported("mtp")
         with self._lock:
             if self._mtp_head is None:
-                self._mtp_head, self._mtp_card = load_head(self.loaded, self.mtp_checkpoint)
+                self._mtp_head, self._mtp_card = load_head(self.loaded, self.mtp_checkpoint,
+                                                           target=self.backend.mtp_target(self.loaded))
             return self._mtp_head
 
     def resolve_drafter(self, name: str) -> str:
@@ -185,14 +205,18 @@ class Generator:
             choice = FALLBACK_DRAFTER
             if self.supports("mtp"):
                 try:
-                    self.mtp_head()
-                except FileNotFoundError:  # no head for this model: its card stays {}, so lookup
-                    pass
-                choice = self._mtp_card.get("drafter", FALLBACK_DRAFTER)
+                    _, card = read_card(self.loaded, self.mtp_checkpoint)
+                except FileNotFoundError:  # no head for this model: lookup
+                    card = {}
+                choice = card_drafter(card, self.backend.name) or FALLBACK_DRAFTER
                 if choice not in card_drafters():
                     raise MTPError(f"the MTP card of {self.loaded.name} names drafter {choice!r}; a card may name "
                                    f"{', '.join(card_drafters())}")
+                if DRAFTERS[choice].needs:
+                    self.mtp_head()  # the head the card names must load
             self._auto = choice
+        if self.batcher is not None and HIDDEN_STATES in DRAFTERS[self._auto].needs:
+            return FALLBACK_DRAFTER  # no hidden states under continuous batching
         return self._auto
 
     def enable_batching(self, max_batch: int, *, seq_ctx: int | None = None, max_rows: int | None = None,
@@ -271,11 +295,22 @@ class Generator:
             state.consume(tok)
         return found
 
+    def row_cost(self, window: str | None = None):
+        """The :class:`decoding.window.RowCost` the speculative step sizes windows by under ``window`` (default
+        :attr:`window`): the backend's measured curve with ``"cost"`` (measured once per machine, model and threads:
+        a few seconds the first time), None with ``"fixed"``, on a backend without one, or under continuous
+        batching (a row's cost is shared with the other sequences there)."""
+        window = self.window if window is None else window
+        check_window(window)
+        if window == "fixed" or self.backend.row_cost is None or self.batcher is not None:
+            return None
+        return self.backend.row_cost(self.loaded)
+
     def generate(self, prompt: list[int], grammar: Grammar | ConstraintState, *, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
                  num_draft_tokens: int | None = None, adaptive: bool | None = None,
                  on_text: Callable[[str], None] | None = None,
-                 stop_when: Callable[[str], bool] | None = None) -> DecodeResult:
+                 stop_when: Callable[[str], bool] | None = None, window: str | None = None) -> DecodeResult:
         """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place).
 
         Args:
@@ -288,10 +323,12 @@ class Generator:
         Raises:
             ContextLengthError: ``prompt`` leaves no room in the model's context; ``max_new_tokens`` is otherwise
                 cut to what fits.
-            ValueError: ``max_new_tokens`` is not an integer >= 1, or the drafter is unknown.
+            ValueError: ``max_new_tokens`` is not an integer >= 1, or the drafter or ``window`` is unknown.
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if window is not None:
+            check_window(window)
         limit = self.context_length
         if limit is not None:
             if len(prompt) >= limit:
@@ -314,11 +351,13 @@ class Generator:
             result = decode(self.new_target(), prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
                             tokenizer=self.tokenizer, on_step=on_step)
         else:
+            cost = self.row_cost(window)  # before the target: a first calibration runs on this thread's context
             result = speculative_decode(
                 self.new_target(), prompt, state, self.make_drafter(mode),
                 num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling,
-                adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer, on_step=on_step)
+                adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer, on_step=on_step,
+                row_cost=cost)
         if on_step is not None:
             on_step.finish(result.text)
         return result

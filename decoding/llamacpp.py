@@ -53,6 +53,7 @@ from schemas.errors import SpecAgentError
 
 from .loader import (KNOWN_MODELS, ModelNotFoundError, UnsupportedModelError, cache_root, check_threads,
                      end_of_generation_ids, locate_gguf, sha256_file)
+from .window import RowCost
 
 INSTALL = ('make setup-llamacpp (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36; '
            "builds from source, ~10 min on 2 cores)")
@@ -191,10 +192,12 @@ class LlamaCppModel:
     n_batch: int = DEFAULT_N_BATCH
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: str = "gguf"
+    repack: bool = False
     _model: Any = None
     _vocab: Any = None
     _eog: frozenset | None = None
     _local: threading.local = field(default_factory=threading.local)
+    _row_cost: RowCost | None = None
 
     @property
     def vocab(self):
@@ -220,6 +223,33 @@ class LlamaCppModel:
             declared = [t for t in special if t < self.vocab_size and lib.llama_vocab_is_eog(self._vocab, t)]
             self._eog = end_of_generation_ids(self.tokenizer, declared)
         return self._eog
+
+    def row_cost(self) -> RowCost:
+        """What a verify of n rows costs on this machine, in one-row forwards (:class:`decoding.window.RowCost`,
+        read by the speculative step's window rule): measured once by :func:`calibrate_row_cost` and cached on disk
+        per CPU model, GGUF, threads and repacking (``<cache>/rowcost/``), since machines differ (a 2-core AMD
+        EPYC: 8 rows ≈ 5 forwards; an Intel Xeon: 2.3–2.9)."""
+        if self._row_cost is None:
+            import json
+
+            key = f"{_cpu_model()}|{self.sha256}|{self.n_threads}|{int(self.repack)}"
+            path = cache_root() / "rowcost" / f"{sha256_text(key)[:24]}.json"
+            try:
+                self._row_cost = RowCost.from_dict(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError):
+                self._row_cost = calibrate_row_cost(self)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+                tmp.write_text(json.dumps(self._row_cost.to_dict() | {"key": key}))
+                tmp.replace(path)
+        return self._row_cost
+
+    def shared_weights(self):
+        """The token embedding, final norm and LM head de-quantised from this GGUF, as torch modules (what the MTP
+        head shares; :func:`decoding.gguf_weights.shared_target`, built once per process)."""
+        from .gguf_weights import shared_target
+
+        return shared_target(self.path, self.sha256)
 
     def new_lm(self) -> "LlamaCppLM":
         """A KV-cached forward wrapper on this thread's llama.cpp context (created on first use)."""
@@ -273,12 +303,73 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
     n_ctx = min(n_ctx, int(llama_cpp.llama_model_n_ctx_train(model)) or n_ctx)
     vocab = llama_cpp.llama_model_get_vocab(model)
     loaded = LlamaCppModel(path, name, sha, tok, n_threads or default_threads(), n_ctx,
-                           int(llama_cpp.llama_vocab_n_tokens(vocab)), _model=model, _vocab=vocab)
+                           int(llama_cpp.llama_vocab_n_tokens(vocab)), repack=repack, _model=model, _vocab=vocab)
     weakref.finalize(loaded, llama_cpp.llama_model_free, model)
     if loaded.vocab_size < len(tok):
         raise RuntimeError(f"{name}: the GGUF vocabulary ({loaded.vocab_size}) is smaller than its tokenizer's "
                            f"({len(tok)})")
     return loaded
+
+
+ROW_COST_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # verify sizes the calibration times (the window cap is 32 rows)
+
+
+def time_verify_rows(lm: "LlamaCppLM", window: list[int], rows=ROW_COST_ROWS, repeat: int = 3
+                     ) -> tuple[dict[int, float], dict[int, torch.Tensor]]:
+    """Time one ``llama_decode`` of n rows (``window[:n]``, logits for every row) after what ``lm`` holds, for each
+    n in ``rows``: ``(median ms per n over repeat runs after one warm-up, row 0's logits float32 [V] per n)``; the
+    KV cache is cropped back after each run."""
+    import statistics
+    import time
+
+    base = lm.length
+    ms, row0 = {}, {}
+    for n in rows:
+        times = []
+        for _ in range(repeat + 1):  # the first run warms the kernels for this n
+            t0 = time.perf_counter()
+            logits, _ = lm.forward(window[:n])
+            times.append(time.perf_counter() - t0)
+            lm.crop(base)
+        ms[n], row0[n] = statistics.median(times[1:]) * 1000, logits[0].clone()
+    return ms, row0
+
+
+def calibrate_row_cost(loaded: LlamaCppModel, rows=ROW_COST_ROWS, prompt_tokens: int = 64,
+                       repeat: int = 3) -> RowCost:
+    """Measure :class:`decoding.window.RowCost` on this thread's context (emptied before and after): a
+    ``prompt_tokens`` prompt, then :func:`time_verify_rows`. A few seconds (about 60 one-row forwards × repeat)."""
+    text = "def add(a, b):\n    return a + b\n" * (prompt_tokens // 8 + 1)
+    prompt = loaded.tokenizer.encode(text, add_special_tokens=False)[:prompt_tokens]
+    window = [(7919 * i) % min(loaded.vocab_size, 30000) + 100 for i in range(max(rows))]
+    lm = loaded.new_lm()
+    lm.reset()
+    try:
+        lm.forward(prompt, num_logits=1)
+        ms, _ = time_verify_rows(lm, window, rows, repeat)
+    finally:
+        lm.reset()
+    return RowCost(tuple(rows), tuple(round(ms[n] / ms[rows[0]], 3) for n in rows), round(ms[rows[0]], 3))
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), what a row-cost curve is measured for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
+        return f"{name} [{sha256_text(flags)[:8]}]"  # one model name can cover CPUs of other instruction sets
+    except (OSError, StopIteration):
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def sha256_text(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -312,7 +403,12 @@ class _Context:
         self.ctx, self.mem, self.batch = _new_context(model, slots, -(-model.n_ctx // 256) * 256, model.n_batch)
         self.n_batch = model.n_batch
         self.vocab_size = model.vocab_size
+        self.n_embd = int(llama_cpp.llama_model_n_embd(model._model))
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV cache holds, in order
+        # per slot: the last-layer hidden states of its first positions, as float32 [n_i, d] chunks (decoded with
+        # hidden=True; contiguous from position 0), so a reused prefix gives its states without a new prefill
+        self.states: list[list[np.ndarray]] = [[] for _ in range(slots)]
+        self.embeddings = False  # llama_set_embeddings: on while a decode asks for hidden states
         self.last_used = [0] * slots
         self.seq = 0  # the active slot (llama.cpp seq_id)
         self._clock = 0
@@ -343,44 +439,91 @@ class _Context:
         self.lib.llama_memory_clear(self.mem, True)
         for cached in self.slots:
             del cached[:]
+        for states in self.states:
+            del states[:]
 
-    def decode(self, tokens: list[int], rows: list[int]) -> np.ndarray:
-        """Append ``tokens`` at positions ``length …``; returns ``float32 [len(rows), V]``: the logits of the tokens
-        at the increasing indices ``rows`` (llama.cpp computes the LM head for those only)."""
-        out = []
+    def known_states(self) -> int:
+        """Leading positions of the active slot whose hidden states are kept (see :meth:`cached_states`)."""
+        return sum(len(c) for c in self.states[self.seq])
+
+    def cached_states(self, n: int) -> np.ndarray:
+        """``float32 [n, d]``: the kept hidden states of the active slot's first ``n`` positions (``n <=``
+        :meth:`known_states`)."""
+        if n > self.known_states():
+            raise ValueError(f"hidden states of {n} positions asked for; {self.known_states()} are kept")
+        chunks = _first_rows(self.states[self.seq], n)
+        return np.concatenate(chunks) if chunks else np.zeros((0, self.n_embd), dtype=np.float32)
+
+    def decode(self, tokens: list[int], rows: list[int], hidden: bool = False
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Append ``tokens`` at positions ``length …``; returns ``(float32 [len(rows), V], hidden)``: the logits of
+        the tokens at the increasing indices ``rows`` (llama.cpp computes the LM head for those only), and with
+        ``hidden=True`` the last-layer hidden states of every token, ``float32 [len(tokens), d]`` (llama.cpp's
+        per-token embeddings, ``llama_set_embeddings`` with no pooling: the state after the final norm, the one the
+        LM head reads; llama.cpp then computes the LM head for every row, so only the rows asked for are read), else
+        None. The states are kept with the slot (:meth:`cached_states`)."""
+        if hidden != self.embeddings:
+            self.lib.llama_set_embeddings(self.ctx, hidden)
+            self.embeddings = hidden
+        out, states = [], []
         want = set(rows)
         b = self.batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             b.n_tokens = len(chunk)
-            n_out = 0
+            picked = []
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
                 b.pos[i] = self.length + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = self.seq
                 keep = start + i in want
-                b.logits[i] = keep
-                n_out += keep
+                b.logits[i] = keep or hidden  # with embeddings every token is an output
+                if keep:
+                    picked.append(i)
             rc = self.lib.llama_decode(self.ctx, b)
             if rc != 0:
                 at = self.length
                 self.clear()  # what the cache holds is unknown now: the next prompt prefills from scratch
                 raise RuntimeError(f"llama_decode failed with code {rc} at position {at} "
                                    f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
+            contiguous = self.known_states() == self.length
             self.tokens.extend(chunk)
-            if n_out:
-                ptr = self.lib.llama_get_logits(self.ctx)
-                out.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.vocab_size)).copy())
-        if not out:
-            return np.zeros((0, self.vocab_size), dtype=np.float32)
-        return out[0] if len(out) == 1 else np.concatenate(out)
+            n_out = len(chunk) if hidden else len(picked)
+            if picked:
+                logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(n_out, self.vocab_size))
+                out.append(logits[picked].copy() if hidden else logits.copy())
+            if hidden:
+                h = np.ctypeslib.as_array(self.lib.llama_get_embeddings(self.ctx), shape=(n_out, self.n_embd)).copy()
+                states.append(h)
+                if contiguous:
+                    self.states[self.seq].append(h)
+        logits = (np.zeros((0, self.vocab_size), dtype=np.float32) if not out
+                  else out[0] if len(out) == 1 else np.concatenate(out))
+        if not hidden:
+            return logits, None
+        return logits, states[0] if len(states) == 1 else np.concatenate(states)
 
     def crop(self, length: int, always: bool = False) -> None:
         if always or length < self.length:
             if not self.lib.llama_memory_seq_rm(self.mem, self.seq, length, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
             del self.tokens[length:]
+            self._crop_states(length)
+
+    def _crop_states(self, length: int) -> None:
+        self.states[self.seq] = _first_rows(self.states[self.seq], length)
+
+
+def _first_rows(chunks: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """The chunks (arrays ``[n_i, d]``, in order) cut to their first ``n`` rows in all."""
+    out, got = [], 0
+    for c in chunks:
+        if got >= n:
+            break
+        out.append(c[:n - got])
+        got += len(out[-1])
+    return out
 
 
 class SequenceBatchContext:
@@ -530,8 +673,9 @@ class LlamaCppLM:
     """KV-cached forwards on a llama.cpp context: the :class:`decoding.model.CausalLM` interface.
 
     The context holds keys/values for ``self.length`` tokens of one sequence; :meth:`forward` appends, :meth:`crop`
-    removes from the end. Hidden states are not exposed (drafters that need them, the MTP head, need the torch
-    backend).
+    removes from the end. ``forward(hidden=True)`` also returns the last-layer hidden states (the MTP head's input),
+    and the context keeps them with its prefix slot, so a reused prefix gives its states back
+    (``reuse_prefix(prompt, hidden=True)``, :meth:`cached_hidden`) without a new prefill.
     """
 
     def __init__(self, model: LlamaCppModel, ctx: _Context):
@@ -543,12 +687,14 @@ class LlamaCppLM:
     def reset(self) -> None:
         self.ctx.clear()
 
-    def reuse_prefix(self, prompt: list[int]) -> int:
+    def reuse_prefix(self, prompt: list[int], hidden: bool = False) -> int:
         """Keep the longest prefix of ``prompt[:-1]`` already in this thread's KV cache and drop the rest: prefix
         caching across decodes (llama.cpp server's ``cache_prompt``, vLLM's automatic prefix caching), so a
         request that repeats the previous one's system prompt and tools, or a conversation's next turn, prefills
         only its new tokens.
 
+        Args:
+            hidden: keep only a prefix whose hidden states are kept too (:meth:`cached_hidden`).
         Returns:
             the number of prompt tokens whose keys/values were reused (0 .. ``len(prompt) - 1``).
 
@@ -557,8 +703,16 @@ class LlamaCppLM:
         more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
         """
         n = min(self.ctx.select(prompt), len(prompt) - 1)
+        if hidden:
+            n = min(n, self.ctx.known_states())
         self.ctx.crop(n, always=True)  # even at n == len(cached): nothing unrecorded may stay past n
         return n
+
+    def cached_hidden(self, n: int) -> torch.Tensor:
+        """``float32 [n, d]``: the last-layer hidden states of the first ``n`` cached positions, kept from the
+        decodes that computed them with ``hidden=True``. Raises ``ValueError`` when fewer are kept (call
+        ``reuse_prefix(prompt, hidden=True)`` first)."""
+        return torch.from_numpy(self.ctx.cached_states(n))
 
     @property
     def length(self) -> int:
@@ -566,22 +720,20 @@ class LlamaCppLM:
         return self.ctx.length
 
     def forward(self, tokens: list[int], *, num_logits: int | None = None, hidden: bool = False,
-                logit_rows: list[int] | None = None) -> tuple[torch.Tensor, None]:
+                logit_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` (``k >= 1`` ids) after the cached ones in one ``llama_decode`` (chunks of ``n_batch``).
 
         Args:
             num_logits: logits for the last ``num_logits`` tokens (default all ``k``).
             logit_rows: instead, the increasing indices (into ``tokens``) of the tokens whose logits are wanted;
-                the LM head runs for those rows only.
+                the LM head runs for those rows only (with ``hidden=True`` llama.cpp runs it for every row).
+            hidden: also return the last-layer hidden states (after the final norm) of every token.
         Returns:
-            ``(logits float32 [num_logits or len(logit_rows), V], None)``.
+            ``(logits float32 [num_logits or len(logit_rows), V], hidden float32 [k, d] or None)``.
         Raises:
-            ValueError: ``hidden=True`` (not available from llama.cpp here), or the context would overflow.
+            ValueError: the context would overflow.
             RuntimeError: ``llama_decode`` failed.
         """
-        if hidden:
-            raise ValueError("the llama.cpp backend does not expose hidden states; drafters that need them (mtp, "
-                             "lookup_mtp) run on backend='torch'")
         if not tokens:
             raise ValueError("forward needs at least one token")
         if self.ctx.length + len(tokens) > self.loaded.n_ctx:
@@ -590,7 +742,8 @@ class LlamaCppLM:
         if logit_rows is None:
             n = len(tokens) if num_logits is None else num_logits
             logit_rows = list(range(len(tokens) - n, len(tokens)))
-        return torch.from_numpy(self.ctx.decode(tokens, logit_rows)), None
+        logits, h = self.ctx.decode(tokens, logit_rows, hidden=hidden)
+        return torch.from_numpy(logits), None if h is None else torch.from_numpy(h)
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (``llama_memory_seq_rm``)."""

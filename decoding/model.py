@@ -73,11 +73,18 @@ class CausalLM:
         elif self.cache is not None:
             self._set_static_length(0)
 
-    def reuse_prefix(self, prompt: list[int]) -> int:
+    def reuse_prefix(self, prompt: list[int], hidden: bool = False) -> int:
         """Prefix caching hook of the backend interface (see ``LlamaCppLM.reuse_prefix``): this cache lives for one
         decode, so nothing is reused — it is emptied and 0 is returned."""
         self.reset()
         return 0
+
+    def cached_hidden(self, n: int) -> torch.Tensor:
+        """Hidden states kept from earlier decodes: none here (:meth:`reuse_prefix` reuses nothing). Raises
+        ``ValueError`` for ``n > 0``."""
+        if n:
+            raise ValueError(f"no hidden states are kept across decodes on the torch backend ({n} asked for)")
+        return torch.zeros(0, self.model.config.hidden_size, device=self.device)
 
     @property
     def length(self) -> int:

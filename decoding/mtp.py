@@ -54,7 +54,9 @@ class MTPHead(nn.Module):
     registered as parameters): the target's token embedding, final norm and LM head.
 
     Args:
-        target: the target ``LlamaForCausalLM``-style model (``model.embed_tokens``, ``model.norm``, ``lm_head``).
+        target: the target ``LlamaForCausalLM``-style model (``model.embed_tokens``, ``model.norm``, ``lm_head``), or
+            on the llama.cpp backend a :class:`decoding.gguf_weights.SharedTarget` (those three de-quantised from the
+            GGUF, and the layer classes).
         stand_in: what stands in for the target's hidden state at a drafted position: ``"final_norm"``
             (``FinalNorm(g)``, the target's h space) or ``"raw"`` (g itself, heads trained before the change).
         min_confidence: the drafter's confidence stop (masked probability of its own token; 0: never stop).
@@ -79,9 +81,12 @@ class MTPHead(nn.Module):
         self.embed_norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
         block_cfg = cfg.__class__.from_dict(cfg.to_dict(), attn_implementation="sdpa")
-        # the target's own layer and rotary classes (Llama; Qwen2's carries q/k/v biases)
-        self.block = type(target.model.layers[0])(block_cfg, layer_idx=0)
-        self.rotary = type(target.model.rotary_emb)(block_cfg)
+        # the target's own layer and rotary classes (Llama; Qwen2's carries q/k/v biases); a target without layers
+        # (decoding.gguf_weights.SharedTarget, the llama.cpp backend's) names them
+        layer_class = getattr(target, "layer_class", None) or type(target.model.layers[0])
+        rotary_class = getattr(target, "rotary_class", None) or type(target.model.rotary_emb)
+        self.block = layer_class(block_cfg, layer_idx=0)
+        self.rotary = rotary_class(block_cfg)
         self.__dict__["_target"] = target  # shared, not a submodule: never saved, never trained, never copied
         with torch.no_grad():
             nn.init.normal_(self.proj.weight, std=0.02)
@@ -159,12 +164,13 @@ def save_head(head: MTPHead, directory: Path, card: dict, dtype: torch.dtype | N
     (directory / "mtp_head.json").write_text(json.dumps(card, indent=2) + "\n")
 
 
-def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple[MTPHead, dict]:
-    """Load the MTP head for ``loaded`` from ``directory`` (default: ``checkpoints/<model sha256[:16]>``).
+def read_card(loaded: LoadedModel, directory: Path | str | None = None) -> tuple[Path, dict]:
+    """``(directory, card)``: the MTP head card (``mtp_head.json``) for ``loaded`` in ``directory`` (default:
+    ``checkpoints/<model sha256[:16]>``), without loading the weights.
 
     Raises:
         FileNotFoundError: no checkpoint there.
-        MTPError: the checkpoint was trained for another target (sha256 mismatch) or its shapes differ.
+        MTPError: the checkpoint was trained for another target (sha256 mismatch).
     """
     sha = target_sha256(loaded)
     directory = Path(directory) if directory else DEFAULT_CHECKPOINT_DIR / f"mtp-{sha[:16]}"
@@ -176,15 +182,43 @@ def load_head(loaded: LoadedModel, directory: Path | str | None = None) -> tuple
     if card.get("target_sha256") != sha:
         raise MTPError(f"MTP head at {directory} was trained for target sha256 {card.get('target_sha256')}, "
                        f"but {loaded.name} has {sha}: refusing a mismatched head")
+    return directory, card
+
+
+def card_drafter(card: dict, backend: str) -> str | None:
+    """The drafter an MTP card names for ``backend``: ``card["drafters"][backend]`` where given, else for the
+    torch backend ``card["drafter"]`` (chosen on the torch benchmark before the head ran on llama.cpp); None when
+    the card names none for that backend."""
+    named = card.get("drafters", {})
+    if backend in named:
+        return named[backend]
+    return card.get("drafter") if backend == "torch" else None
+
+
+def load_head(loaded: LoadedModel, directory: Path | str | None = None,
+              target: nn.Module | None = None) -> tuple[MTPHead, dict]:
+    """Load the MTP head for ``loaded`` from ``directory`` (default: ``checkpoints/<model sha256[:16]>``).
+
+    ``target``: the module whose embedding, final norm and LM head the head shares (default ``loaded.model``, the
+    torch backend's model; the llama.cpp backend passes its :class:`decoding.gguf_weights.SharedTarget`). The head
+    runs on that module's device, in its dtype.
+
+    Raises:
+        FileNotFoundError: no checkpoint there.
+        MTPError: the checkpoint was trained for another target (sha256 mismatch) or its shapes differ.
+    """
+    directory, card = read_card(loaded, directory)
     from safetensors.torch import load_file
 
-    head = MTPHead(loaded.model, stand_in=card.get("stand_in", "raw"),
+    target = loaded.model if target is None else target
+    weight = target.get_input_embeddings().weight
+    head = MTPHead(target, stand_in=card.get("stand_in", "raw"),
                    min_confidence=float(card.get("min_confidence", 0.0)),
-                   max_depth=card.get("max_depth")).to(loaded.device, loaded.dtype)
-    state = load_file(directory / "mtp_head.safetensors", device=str(loaded.device))
+                   max_depth=card.get("max_depth")).to(weight.device, weight.dtype)
+    state = load_file(directory / "mtp_head.safetensors", device=str(weight.device))
     vocab = state.pop("draft_vocab", None)
     if vocab is not None:
-        if vocab.numel() and int(vocab.max()) >= loaded.model.config.vocab_size:
+        if vocab.numel() and int(vocab.max()) >= target.config.vocab_size:
             raise MTPError(f"MTP head at {directory}: draft vocabulary holds ids past {loaded.name}'s vocabulary")
         head.draft_vocab = vocab.long()
     try:

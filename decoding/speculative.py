@@ -30,6 +30,7 @@ from .backends import TargetModel
 from .drafters import Drafter, NoDrafter
 from .sampling import SamplingParams, probs_from_logits, sample
 from .stats import DecodeResult
+from .window import RowCost, WindowPolicy
 
 
 @dataclass
@@ -58,17 +59,21 @@ class Draft:
 
 def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int], bitmask: torch.Tensor,
                  num_draft_tokens: int, max_tokens: int, sampling: SamplingParams,
-                 generator: torch.Generator | None, eos: frozenset[int]) -> Draft:
+                 generator: torch.Generator | None, eos: frozenset[int], policy: WindowPolicy | None = None) -> Draft:
     """Draft up to ``num_draft_tokens`` drafter tokens plus any schema-forced tokens (at most ``max_tokens``).
 
     Fills ``bitmask[i]`` (``int32 [rows, W]``) before each token and advances ``state`` by each drafted token
-    (EOS is not consumed). Stops at EOS, when the grammar is stopped, when the drafter has nothing, or at the caps.
+    (EOS is not consumed). Stops at EOS, when the grammar is stopped, when the drafter has nothing, at the caps, or
+    where ``policy`` (:class:`decoding.window.WindowPolicy`) says the next token's row does not pay for itself
+    (decided before the drafter is asked: the output does not depend on it).
     """
     tokens: list[int] = []
     qs: list[torch.Tensor | None] = []
     forced: list[bool] = []
     rows = 0
     n_model = 0
+    if policy is not None:
+        policy.start()
     while not state.is_stopped():
         i = len(tokens)
         state.fill_bitmask(bitmask, i)
@@ -79,9 +84,11 @@ def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int]
         tok = single_allowed(row)
         is_forced = tok is not None
         q = None
+        if not is_forced and (drafter is None or n_model >= num_draft_tokens):
+            break
+        if policy is not None and not policy.admit(is_forced, n_model):
+            break
         if not is_forced:
-            if drafter is None or n_model >= num_draft_tokens:
-                break
             proposal = drafter.propose(seq + tokens, state, row, sampling, generator)
             if proposal is None:
                 break
@@ -293,17 +300,20 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
                        num_draft_tokens: int = 4, max_new_tokens: int = 256,
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
                        max_num_draft_tokens: int = 8, max_window: int = 32, eos_token_id: int | None = None,
-                       tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+                       tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None,
+                       row_cost: RowCost | None = None) -> DecodeResult:
     """Constrained speculative decoding (module docstring): draft, verify, accept, commit until EOS, a complete
     grammar or ``max_new_tokens``. ``drafter`` proposes non-forced tokens (None: schema-forced tokens only);
     γ = ``num_draft_tokens`` drafter tokens per window (forced ones do not count; ``max_window`` caps both),
     adapted online with ``adaptive`` (:meth:`Drafter.adapt_num_draft_tokens`, within ``max_num_draft_tokens``);
-    greedy when ``sampling.temperature == 0``. ``on_step(tokens)`` runs after each committed step (grammar state and
-    KV cache then equal those rebuilt from scratch); True from it stops there (``"stop"``). → :class:`DecodeResult`."""
+    with ``row_cost`` (the backend's measured :class:`decoding.window.RowCost`) a token is drafted only where its
+    verify row pays (:class:`decoding.window.WindowPolicy`); greedy when ``sampling.temperature == 0``.
+    ``on_step(tokens)`` runs after each committed step (grammar state and KV cache then equal those rebuilt from
+    scratch); True from it stops there (``"stop"``). → :class:`DecodeResult`."""
     run = SpeculativeSequence(target, prompt, state, drafter, num_draft_tokens=num_draft_tokens,
                               max_new_tokens=max_new_tokens, sampling=sampling, adaptive=adaptive,
                               max_num_draft_tokens=max_num_draft_tokens, max_window=max_window,
-                              eos_token_id=eos_token_id, tokenizer=tokenizer, on_step=on_step)
+                              eos_token_id=eos_token_id, tokenizer=tokenizer, on_step=on_step, row_cost=row_cost)
     while (draft := run.draft()) is not None:
         with run.stats.timer("verify_seconds", target.synchronize):  # CUDA is asynchronous: time the work
             target_logits, hidden = verify(target, run.cur, draft, run.setup.bitmask,
@@ -325,6 +335,7 @@ class SpeculativeSequence:
 
     Arguments as :func:`speculative_decode`. ``draft(max_rows)`` caps the verify rows of the step (``cur`` + the
     drafts) at ``max_rows >= 1``: a shorter window changes neither the greedy output nor the sampled distribution.
+    A scheduler that batches sequences passes no ``row_cost`` (a row's cost there is shared with the others).
 
     Raises:
         ValueError: ``num_draft_tokens < 0``; an empty prompt.
@@ -334,7 +345,7 @@ class SpeculativeSequence:
                  num_draft_tokens: int = 4, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                  adaptive: bool = False, max_num_draft_tokens: int = 8, max_window: int = 32,
                  eos_token_id: int | None = None, tokenizer=None,
-                 on_step: Callable[[list[int]], bool | None] | None = None):
+                 on_step: Callable[[list[int]], bool | None] | None = None, row_cost: RowCost | None = None):
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target, self.prompt_length, self.state, self.sampling = target, len(prompt), state, sampling
@@ -347,6 +358,7 @@ class SpeculativeSequence:
         self.stats, self.cur, self.seq, self.gamma = self.setup.stats, self.setup.cur, list(prompt), num_draft_tokens
         self.tokens: list[int] = []
         self.stop: str | None = None
+        self.policy = None if row_cost is None else WindowPolicy(row_cost, self.stats)
         self.window: Draft | None = None  # the drafted window awaiting its verify
         self.base = 0  # the KV cache's length when the window was drafted
 
@@ -366,7 +378,7 @@ class SpeculativeSequence:
         run = self.setup
         with self.stats.timer("draft_seconds", self.target.synchronize):  # a draft model's forwards: the device too
             self.window = draft_window(self.state, self.drafter, self.seq, run.bitmask, self.gamma, window,
-                                       self.sampling, run.generator, run.eos)
+                                       self.sampling, run.generator, run.eos, self.policy)
         self.base = self.target.length
         return self.window
 

@@ -168,22 +168,79 @@ def test_draft_model_reuses_its_prefix_cache_from_decode_to_decode(gen_draft):
 def test_sampled_draft_model_output_validates_on_the_llamacpp_backend(gen_draft, questions):
     row = questions[0]
     tools, res = decode_bfcl(gen_draft, row, "draft_model", sampling=SamplingParams(temperature=0.8, seed=2),
-                             max_new_tokens=4 * MAX_NEW_TOKENS)
+                             max_new_tokens=4 * MAX_NEW_TOKENS, window="fixed")  # γ drafts whatever they cost
     assert not res.truncated and res.stats.drafted > 0
     calls, _ = parse_turn(res.text)
     assert calls and len(calls) == 1, res.text
     {t.name: t for t in tools}[calls[0]["name"]].make_call(calls[0]["arguments"])  # raises if invalid
 
 
-def test_drafters_that_need_torch_weights_are_refused_with_a_clear_error(cpp):
-    with pytest.raises(ValueError, match="the mtp drafter needs hidden_states, torch_weights, which backend 'llamacpp' "
-                                         "does not provide; use one of none, forced, schema, lookup"):
-        Generator(cpp, drafter="mtp")
+def test_one_decode_gives_logits_and_the_hidden_states_the_lm_head_reads(cpp):
+    lm = cpp.new_lm()
+    lm.reset()
+    prompt = list(range(100, 160))
+    plain, none = lm.forward(prompt, num_logits=3)
+    lm.reset()
+    logits, hidden = lm.forward(prompt, num_logits=3, hidden=True)
+    assert none is None and torch.equal(logits, plain)  # asking for the states changes no logit
+    assert hidden.shape == (60, 576) and hidden.dtype == torch.float32
+    shared = cpp.shared_weights()  # de-quantised from the same GGUF
+    head_logits = hidden[-3:] @ shared.get_output_embeddings().weight.T  # the state after the final norm
+    assert torch.equal(head_logits.argmax(-1), logits.argmax(-1))
+    assert (head_logits - logits).abs().max() < 0.02 * logits.abs().max()  # llama.cpp rounds activations to 8 bits
+    lm.crop(40)  # rollback drops the states of the removed positions with them
+    assert lm.reuse_prefix(prompt[:40] + [7], hidden=True) == 40
+    assert torch.equal(lm.cached_hidden(40), hidden[:40])
+    with pytest.raises(ValueError, match="41 positions asked for; 40 are kept"):
+        lm.cached_hidden(41)
+
+
+def test_shared_weights_equal_the_torch_backends_and_are_cached_on_disk(cpp):
+    from decoding import gguf_weights, load_model
+
+    torch_model = load_model("smollm2").model  # the torch backend de-quantises the same GGUF with transformers
+    shared = cpp.shared_weights()
+    assert torch.equal(shared.get_input_embeddings().weight, torch_model.get_input_embeddings().weight)
+    assert torch.equal(shared.model.norm.weight, torch_model.model.norm.weight)
+    assert shared.layer_class is type(torch_model.model.layers[0])
+    gguf_weights._CACHE.clear()  # the next process reads the de-quantised copy, not the GGUF
+    again = cpp.shared_weights()
+    assert again is not shared and torch.equal(again.lm_head.weight, shared.lm_head.weight)
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "lookup_mtp"])
+def test_mtp_drafters_run_on_the_llamacpp_backend_token_identical(gen, questions, references, drafter):
+    """The shipped SmolLM2 head (trained on the torch backend's states of the same GGUF) drafts from llama.cpp's
+    states; one thread on Q4_1 is batch-invariant, so the output is the reference's token for token. Fixed windows:
+    on a CPU where a second row costs nearly a forward the cost rule would send no head draft at all."""
+    assert_identical_with_fewer_forwards(gen, questions, references, drafter, max_new_tokens=MAX_NEW_TOKENS,
+                                         window="fixed")
+    drafted = accepted = 0
+    for row in questions[:4]:
+        _, res = _decode(gen, row, drafter, window="fixed")
+        drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+    assert accepted > 0.3 * drafted > 0  # the head's drafts are accepted, not noise
+
+
+def test_mtp_prefix_cache_keeps_the_prompts_hidden_states(gen, questions):
+    row = questions[0]
+    _, first = _decode(gen, row, "mtp", window="fixed")
+    _, again = _decode(gen, row, "mtp", window="fixed")  # same prompt: the prefix and its states from the cache
+    assert again.stats.prompt_tokens_cached == again.stats.prompt_tokens - 1
+    assert again.tokens == first.tokens and again.stats.drafted == first.stats.drafted
+
+
+def test_mtp_is_refused_under_continuous_batching_and_auto_falls_back_to_lookup(cpp):
     gen = Generator(cpp)
-    with pytest.raises(ValueError, match="lookup_mtp|mtp drafter"):
-        gen.generate([1, 2, 3], turn_grammar([], "none", parallel=False), drafter="lookup_mtp")
-    with pytest.raises(ValueError, match="hidden states"):
-        cpp.new_lm().forward([1], hidden=True)
+    assert gen.resolve_drafter("auto") == "lookup"  # SmolLM2's card names lookup
+    batched = Generator(load_llamacpp("smollm2", n_threads=1, n_ctx=1024))
+    batched.enable_batching(2, seq_ctx=512)
+    try:
+        with pytest.raises(ValueError, match="the mtp drafter needs the target's hidden states, which continuous "
+                                             "batching"):
+            batched.generate([1, 2, 3], turn_grammar([], "none", parallel=False), drafter="mtp")
+    finally:
+        batched.batcher.close()
 
 
 def test_bad_backend_arguments_are_refused():

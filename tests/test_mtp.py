@@ -376,3 +376,13 @@ def test_float16_checkpoint_halves_the_file_and_loads_the_rounded_weights(tiny_t
     w = loaded.proj.weight
     assert w.dtype == head.proj.weight.dtype  # cast back to the target's dtype on load
     assert torch.equal(w, head.proj.weight.half().to(w.dtype)) and not torch.equal(w, head.proj.weight)
+
+
+def test_card_names_a_drafter_per_backend_and_its_torch_choice_does_not_carry_to_llamacpp():
+    from decoding.mtp import card_drafter
+
+    old = {"drafter": "lookup_mtp"}  # chosen on the torch benchmark, before the head ran on llama.cpp
+    assert card_drafter(old, "torch") == "lookup_mtp" and card_drafter(old, "llamacpp") is None
+    both = old | {"drafters": {"llamacpp": "mtp"}}
+    assert card_drafter(both, "llamacpp") == "mtp" and card_drafter(both, "torch") == "lookup_mtp"
+    assert card_drafter({}, "torch") is None

@@ -51,9 +51,12 @@ class ScriptedLM:
     def reset(self) -> None:
         self.seq = []
 
-    def reuse_prefix(self, prompt: list[int]) -> int:
+    def reuse_prefix(self, prompt: list[int], hidden: bool = False) -> int:
         self.prompt_len, self.seq = len(prompt), []
         return 0
+
+    def cached_hidden(self, n: int) -> torch.Tensor:
+        raise ValueError("no hidden states kept")
 
     def forward(self, tokens, *, num_logits=None, hidden=False, logit_rows=None):
         start = len(self.seq)
