@@ -31,8 +31,10 @@ configuration is ``threads=1`` on batch-invariant weights.
 
 Cost model: what a verify of n rows costs depends on the CPU, the weight type and the threads (``python -m
 bench.rowcost`` prints it): on an AMD EPYC (AVX2) Qwen2.5-Coder-0.5B Q4_K_M took 47 ms for 1 row and 344 ms for 8
-(about 7 forwards); on the Intel Xeon (AVX-512) development machine 8 rows cost 2.3–2.9 forwards. torch's fp32
-forward: 44 ms for 1 row, 61 ms for 8.
+(about 7 forwards), 25.8 ms and 5.1 forwards at two threads; on the Intel Xeon (AVX-512) development machine 8 rows
+cost 2.3–2.9 forwards. torch's fp32 forward: 44 ms for 1 row, 61 ms for 8. So the decoder does not assume a cost:
+:meth:`LlamaCppModel.row_cost` measures the curve once per machine, model and threads (:func:`calibrate_row_cost`,
+cached), and the speculative step drafts a token only where its row pays (``decoding/window.py``).
 
 ``llama_cpp`` is an optional dependency (``make setup-llamacpp`` builds it from source, ~10 min on 2 cores);
 :class:`LlamaCppUnavailableError` says how to install it.
@@ -229,19 +231,9 @@ class LlamaCppModel:
         read by the speculative step's window rule): measured once by :func:`calibrate_row_cost` and cached on disk
         per CPU model, GGUF, threads and repacking (``<cache>/rowcost/``), since machines differ (a 2-core AMD
         EPYC: 8 rows ≈ 5 forwards; an Intel Xeon: 2.3–2.9)."""
-        if self._row_cost is None:
-            import json
-
-            key = f"{_cpu_model()}|{self.sha256}|{self.n_threads}|{int(self.repack)}"
-            path = cache_root() / "rowcost" / f"{sha256_text(key)[:24]}.json"
-            try:
-                self._row_cost = RowCost.from_dict(json.loads(path.read_text()))
-            except (OSError, ValueError, KeyError):
-                self._row_cost = calibrate_row_cost(self)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-                tmp.write_text(json.dumps(self._row_cost.to_dict() | {"key": key}))
-                tmp.replace(path)
+        with _ROW_COST_LOCK:  # one calibration at a time: two would slow each other's timings
+            if self._row_cost is None:
+                self._row_cost = _cached_row_cost(self)
         return self._row_cost
 
     def shared_weights(self):
@@ -333,6 +325,28 @@ def time_verify_rows(lm: "LlamaCppLM", window: list[int], rows=ROW_COST_ROWS, re
             lm.crop(base)
         ms[n], row0[n] = statistics.median(times[1:]) * 1000, logits[0].clone()
     return ms, row0
+
+
+_ROW_COST_LOCK = threading.Lock()
+
+
+def _cached_row_cost(loaded: LlamaCppModel) -> RowCost:
+    """The row-cost curve of ``loaded`` from ``<cache>/rowcost/`` (keyed by CPU model, GGUF sha256, threads,
+    repacking), else :func:`calibrate_row_cost`, written there."""
+    import json
+
+    key = f"{_cpu_model()}|{loaded.sha256}|{loaded.n_threads}|{int(loaded.repack)}"
+    path = cache_root() / "rowcost" / f"{sha256_text(key)[:24]}.json"
+    try:
+        return RowCost.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError):
+        pass
+    cost = calibrate_row_cost(loaded)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(cost.to_dict() | {"key": key}))
+    tmp.replace(path)
+    return cost
 
 
 def calibrate_row_cost(loaded: LlamaCppModel, rows=ROW_COST_ROWS, prompt_tokens: int = 64,

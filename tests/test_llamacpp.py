@@ -394,3 +394,22 @@ def test_batch_rowcost_times_batched_and_one_sequence_decodes():
     assert all(b["ms"] > 0 and b["ms_per_row"] == pytest.approx(b["ms"] / b["rows"], abs=0.05 / b["rows"] + 0.005)
                and b["share_of_one_row"] == pytest.approx(b["ms_per_row"] / r["ms_one_row_alone"], rel=0.05, abs=0.002)
                for b in r["batched"] + r["one_sequence"])
+
+
+def test_row_cost_is_measured_once_per_machine_model_and_threads_and_read_back(monkeypatch, tmp_path):
+    from decoding import llamacpp
+
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path))
+    loaded = load_llamacpp("smollm2", n_threads=1, n_ctx=512)
+    calls = []
+    real = llamacpp.calibrate_row_cost
+    monkeypatch.setattr(llamacpp, "calibrate_row_cost", lambda m: calls.append(m) or real(m, repeat=1))
+    cost = loaded.row_cost()
+    assert calls == [loaded] and cost.rows == llamacpp.ROW_COST_ROWS and cost.cost[0] == 1.0
+    assert cost.ms_1_row > 0 and cost(32) > cost(2) > 1.0  # more rows cost more: no row is free on a CPU
+    again = load_llamacpp("smollm2", n_threads=1, n_ctx=512)  # a new load (a new process) reads the cache
+    assert again.row_cost() == cost and len(calls) == 1
+    assert len(list((tmp_path / "rowcost").glob("*.json"))) == 1
+    two = load_llamacpp("smollm2", n_threads=2, n_ctx=512)  # other threads: another curve
+    two.row_cost()
+    assert len(calls) == 2 and len(list((tmp_path / "rowcost").glob("*.json"))) == 2
