@@ -8,7 +8,7 @@ import sys
 import time
 
 from decoding import (BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, KNOWN_MODELS,
-                      drafter_choices)
+                      WINDOWS, drafter_choices)
 from schemas import SpecAgentError
 
 
@@ -45,6 +45,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "head), else lookup; " + "; ".join(f"{n}: {row.summary}" for n, row in DRAFTERS.items()))
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
+    p.add_argument("--window", default=None, choices=WINDOWS,
+                   help="speculative windows: cost (default: a token is drafted only where its verify row pays, by "
+                        "the row cost measured on this CPU; llama.cpp) or fixed (γ drafts whenever the drafter has "
+                        "them); the output is the same")
     p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model")
     p.add_argument("--engine", dest="engine", default=None, choices=tuple(BACKENDS), help="the older name of --backend")
     p.add_argument("--backend", dest="backend", default=None, choices=tuple(BACKENDS),
@@ -160,7 +164,7 @@ def _config(args):
     from .engine import EngineConfig
 
     return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
-                        max_string_length=args.max_string_length, max_decimals=args.max_decimals,
+                        window=args.window, max_string_length=args.max_string_length, max_decimals=args.max_decimals,
                         max_new_tokens=args.max_new_tokens, grounding=args.grounding)
 
 

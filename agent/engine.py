@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DecodeStats, Generator, LoadedModel,
-                      SamplingParams, check_drafter)
+                      SamplingParams, check_drafter, check_window)
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
@@ -38,6 +38,9 @@ class EngineConfig:
             drafter where a head loads on the torch backend, else ``lookup``; ``Generator.resolve_drafter``).
         num_draft_tokens: γ, drafter tokens per speculative window (>= 0; 0 drafts schema-forced tokens only).
         adaptive: adapt γ online from the acceptance rate.
+        window: how speculative windows are sized, ``"cost"`` (a token only where its verify row pays, on a backend
+            that measures the row cost: llama.cpp) or ``"fixed"`` (γ drafts whenever the drafter has them); None:
+            the Generator's (``"cost"``). The output is the same either way.
         max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded (None: no cap).
         max_decimals: grammar bound on numbers: decimals, no exponent, ``|x| <= 1e15`` (None: unbounded).
         temperature, top_p, seed: sampling (greedy when ``temperature`` is 0).
@@ -60,6 +63,7 @@ class EngineConfig:
     drafter: str = DEFAULT_DRAFTER
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     adaptive: bool = False
+    window: str | None = None
     max_string_length: int | None = None
     max_decimals: int | None = None
     temperature: float = 0.0
@@ -73,6 +77,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
+        if self.window is not None:
+            check_window(self.window)
         _check_int("num_draft_tokens", self.num_draft_tokens, 0)
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_parallel_calls", self.max_parallel_calls, 1)
@@ -290,7 +296,8 @@ class LocalEngine:
                                     context=conversation_text(messages) if masked else None) if parallel else None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
-                                      adaptive=config.adaptive, on_text=on_text, stop_when=end_rule)
+                                      adaptive=config.adaptive, window=config.window, on_text=on_text,
+                                      stop_when=end_rule)
         if end_rule is not None and end_rule.text is None:
             end_rule(out.text)  # the last step's text may not have been checked (it ended inside a character)
         text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text

@@ -84,7 +84,7 @@ class OpenAIEngine:
         if self.send_engine_config:
             extra.update(drafter=config.drafter, num_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive,
                          grounding=config.grounding)
-            extra.update({k: getattr(config, k) for k in ("max_string_length", "max_decimals")
+            extra.update({k: getattr(config, k) for k in ("window", "max_string_length", "max_decimals")
                           if getattr(config, k) is not None})
         return body, extra
 

@@ -41,7 +41,8 @@ def test_config_has_one_default_and_is_frozen():
 
 @pytest.mark.parametrize("field, value", [("drafter", "magic"), ("num_draft_tokens", -1), ("max_new_tokens", 0),
                                           ("temperature", -0.1), ("top_p", 0.0), ("max_string_length", 0),
-                                          ("max_decimals", -2), ("seed", 1.5), ("num_draft_tokens", True)])
+                                          ("max_decimals", -2), ("seed", 1.5), ("num_draft_tokens", True),
+                                          ("window", "adaptive")])
 def test_out_of_range_config_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
@@ -54,10 +55,11 @@ def test_run_with_zero_draft_tokens_is_honoured_not_replaced_by_the_default(spy)
 
 
 def test_agent_settings_reach_the_decoder_with_a_ready_generator(spy):
-    agent = Agent(spy, [lookup], drafter="schema", num_draft_tokens=7, adaptive=True, max_string_length=8)
+    agent = Agent(spy, [lookup], drafter="schema", num_draft_tokens=7, adaptive=True, window="fixed",
+                  max_string_length=8)
     agent.run("x", tool_choice="required", max_new_tokens=30, max_steps=1, temperature=0.5, seed=3)
     kw = spy.calls[-1]
-    assert (kw["drafter"], kw["num_draft_tokens"], kw["adaptive"]) == ("schema", 7, True)
+    assert (kw["drafter"], kw["num_draft_tokens"], kw["adaptive"], kw["window"]) == ("schema", 7, True, "fixed")
     assert (kw["sampling"].temperature, kw["sampling"].seed, kw["max_new_tokens"]) == (0.5, 3, 30)
     assert agent.config.temperature == 0.0  # a run's override does not change the agent's config
 
