@@ -4,10 +4,11 @@ Leviathan et al. 2023 (arXiv 2211.17192, §3.4) choose γ from the acceptance ra
 step, assuming a verify of γ+1 rows costs one forward. On a CPU it does not: llama.cpp's kernels are compute-bound
 past a few rows, and a verify of n rows costs ``c(n)`` one-row forwards (measured: about 1.7 for 2 rows and 5 for 8
 on a 2-core AMD EPYC, 2.3–2.9 for 8 on an Intel Xeon; ``python -m bench.rowcost``). So the window is grown one
-token at a time, and the next token is drafted only when the window's expected tokens per unit of verify cost grow:
+token at a time, and the next token is drafted only when the window's expected tokens per unit of verify cost can
+grow with it and the run it may start (a measured curve is not convex: on the EPYC 3 rows cost what 4 do):
 
     E(k) = 1 + Σ_{i ≤ k} P_i        (the bonus token, plus each draft accepted with all before it)
-    draft token k+1  iff  (E(k) + P_{k+1}) / c(k + 2)  >=  E(k) / c(k + 1)
+    draft token k+1  iff  max_{m ≥ 1} (E(k) + Σ_{j < m} P_{k+1} · a^j) / c(k + 1 + m)  >=  E(k) / c(k + 1)
 
 where ``P_{k+1} = P_k · a`` with ``a = 1`` for a schema-forced token (the mask allows only it) and, for a drafter
 token, the sequence's running acceptance at that drafter position (``DecodeStats.accepted_by_position`` /
