@@ -508,6 +508,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
                      api_key=api_key, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                      max_batch=max_batch, seq_ctx=seq_ctx, max_rows=max_rows)
     drafter = engine.generator.resolve_drafter(config.drafter)
+    engine.generator.check_supported(drafter)  # a default drafter the server cannot run refuses to start (ValueError)
     engine.generator.row_cost()  # measured (or read from the cache) now, not under the first requests' load
     batching = "" if max_batch is None else (f", continuous batching of {max_batch} × {engine.context_length} "
                                              f"positions")

@@ -308,3 +308,15 @@ def test_python_m_agent_serve_answers_the_openai_client_on_the_real_model(tmp_pa
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def test_serve_refuses_to_start_with_a_default_drafter_batching_cannot_run():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "agent", "serve", "--model", "smollm2", "--threads", "1", "--host",
+                          "127.0.0.1", "--port", "9", "--max-batch", "2", "--drafter", "mtp"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "error: the mtp drafter needs the target's hidden states, which continuous batching (--max-batch)" \
+        in out.stderr
