@@ -13,8 +13,6 @@ and LM head are ``[151936, 896]`` float32 each (545 MB; its GGUF stores them apa
 from __future__ import annotations
 
 import importlib
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
@@ -116,7 +114,7 @@ def shared_target(gguf: Path, sha256: str) -> SharedTarget:
         from safetensors.torch import load_file, save_file
         from transformers import AutoConfig
 
-        from .loader import cache_root
+        from .loader import built_dir, cache_root
 
         out = cache_root() / "mtp-shared" / sha256[:16]
         if not (out / "shared.safetensors").exists():
@@ -129,17 +127,9 @@ def shared_target(gguf: Path, sha256: str) -> SharedTarget:
             if "token_embd.weight" not in tensors or "output_norm.weight" not in tensors:
                 raise SharedWeightsError(f"{gguf.name} has no token_embd.weight / output_norm.weight: the MTP head "
                                          f"shares them")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".shared-"))
-            try:
+            with built_dir(out) as tmp:
                 config.save_pretrained(tmp)
                 save_file(tensors, tmp / "shared.safetensors")
-                if out.exists():
-                    shutil.rmtree(out)
-                tmp.rename(out)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
         config = AutoConfig.from_pretrained(out, local_files_only=True)
         tensors = load_file(out / "shared.safetensors")
         target = SharedTarget(config, tensors["token_embd.weight"], tensors["output_norm.weight"],

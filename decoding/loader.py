@@ -7,6 +7,7 @@ config (no ``quantization_config``), loads the state dict into it and saves that
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -298,9 +299,7 @@ def _converted(gguf: Path, sha256: str, name: str) -> Path:
         raise ValueError(f"{gguf}: sha256 {actual} does not match the pinned {sha256}; reinstall the package")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    try:
+    with built_dir(out) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         gmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
                                                       dtype=torch.float32)
@@ -315,13 +314,24 @@ def _converted(gguf: Path, sha256: str, name: str) -> Path:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "specagent.json").write_text(json.dumps({"source": str(gguf), "sha256": sha256, "name": name}))
+    return out
+
+
+@contextlib.contextmanager
+def built_dir(out: Path):
+    """Build a cache directory in a temporary sibling (yielded) and move it to ``out`` only when the block ends
+    without an exception (replacing what ``out`` held), so a half-written cache is never read; the temporary
+    directory goes either way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # Layer kinds whose KV cache keeps every position, so it can be cropped back after rejected draft tokens.
