@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
-from .aggregate import median_speed_ratio
+from .aggregate import aggregate, median_speed_ratio, peak_rss_mb
 from .modes import Bench, build_prompts
 from .run import categories, load_rows
 
@@ -71,15 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|")
     for d, w in modes + [("none", "fixed")]:
         r = runs[(d, w)]
-        tps = statistics.median(statistics.median(x.tokens_per_s for x in r[p.id]) for p in prompts)
-        tpf = sum(len(x.tokens) for p in prompts for x in r[p.id]) / sum(x.forwards for p in prompts for x in r[p.id])
-        same = sum(all(x.tokens == none[p.id][0].tokens for x in r[p.id]) for p in prompts) / len(prompts)
-        vs_none = median_speed_ratio(r, none, prompts)
+        agg = aggregate(r, prompts, none, peak_rss_mb())  # the benchmark's own fields, none as the baseline
         vs_fixed = median_speed_ratio(r, runs[(d, "fixed")], prompts) if w == "cost" else None
-        report["drafters"][f"{d}/{w}"] = {"tokens_per_s": round(tps, 2), "vs_none": vs_none, "cost_vs_fixed": vs_fixed,
-                                          "tokens_per_forward": round(tpf, 2), "identical_to_none": same}
-        print(f"| {d} | {w} | {tps:.1f} | {vs_none:.2f} | {'' if vs_fixed is None else f'{vs_fixed:.2f}'} | "
-              f"{tpf:.2f} | {same:.2f} |")
+        report["drafters"][f"{d}/{w}"] = {"tokens_per_s": agg["tokens_per_s"], "vs_none": agg["speedup_vs_constrained"],
+                                          "cost_vs_fixed": vs_fixed, "tokens_per_forward": agg["tokens_per_forward"],
+                                          "identical_to_none": agg["identical_to_constrained"]}
+        print(f"| {d} | {w} | {agg['tokens_per_s']:.1f} | {agg['speedup_vs_constrained']:.2f} | "
+              f"{'' if vs_fixed is None else f'{vs_fixed:.2f}'} | {agg['tokens_per_forward']:.2f} | "
+              f"{agg['identical_to_constrained']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0

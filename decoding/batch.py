@@ -58,6 +58,9 @@ SMALL_UBATCH = 64  # measured: a row's result is one of two bit patterns: < 64 t
 #                    the same for any batch (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M; one thread, no repacking)
 
 
+NO_HIDDEN_STATES = "the llama.cpp backend does not expose hidden states under continuous batching"
+
+
 class KVCacheFullError(SpecAgentError, ValueError):
     """A request does not fit one sequence's KV cache (prompt + new tokens > ``seq_ctx``): refused, never started."""
 
@@ -91,7 +94,7 @@ class SlotTarget:
             RuntimeError: ``llama_decode`` failed (the slot is cropped back).
         """
         if hidden:
-            raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
+            raise ValueError(NO_HIDDEN_STATES)
         if not tokens:
             raise ValueError("forward needs at least one token")
         if self.length + len(tokens) > self.ctx.seq_ctx:
@@ -121,14 +124,14 @@ class SlotTarget:
         """Keep the longest prefix of ``prompt[:-1]`` this slot still holds, drop the rest; returns its length.
         ``hidden=True`` is refused (no hidden states under batching: ``ValueError``)."""
         if hidden:
-            raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
+            raise ValueError(NO_HIDDEN_STATES)
         n = common_prefix(self.ctx.tokens[self.seq_id], prompt[:-1])
         self.ctx.crop(self.seq_id, n)
         return n
 
     def cached_hidden(self, n: int) -> torch.Tensor:
         """No hidden states under batching: ``ValueError``."""
-        raise ValueError("the llama.cpp backend does not expose hidden states under continuous batching")
+        raise ValueError(NO_HIDDEN_STATES)
 
     def synchronize(self) -> None:
         """Nothing to wait for: ``llama_decode`` returns when its logits are ready."""

@@ -336,7 +336,7 @@ def _cached_row_cost(loaded: LlamaCppModel) -> RowCost:
     import json
 
     key = f"{_cpu_model()}|{loaded.sha256}|{loaded.n_threads}|{int(loaded.repack)}"
-    path = cache_root() / "rowcost" / f"{sha256_text(key)[:24]}.json"
+    path = cache_root() / "rowcost" / f"{_sha256_text(key)[:24]}.json"
     try:
         return RowCost.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError):
@@ -372,7 +372,7 @@ def _cpu_model() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
         flags = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
-        return f"{name} [{sha256_text(flags)[:8]}]"  # one model name can cover CPUs of other instruction sets
+        return f"{name} [{_sha256_text(flags)[:8]}]"  # one model name can cover CPUs of other instruction sets
     except (OSError, StopIteration):
         pass
     import platform
@@ -380,7 +380,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def sha256_text(text: str) -> str:
+def _sha256_text(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode()).hexdigest()

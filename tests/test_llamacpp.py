@@ -413,3 +413,18 @@ def test_row_cost_is_measured_once_per_machine_model_and_threads_and_read_back(m
     two = load_llamacpp("smollm2", n_threads=2, n_ctx=512)  # other threads: another curve
     two.row_cost()
     assert len(calls) == 2 and len(list((tmp_path / "rowcost").glob("*.json"))) == 2
+
+
+def test_bench_windows_runs_fixed_and_cost_side_by_side_with_identical_outputs(tmp_path, capsys):
+    import json
+
+    from bench import windows
+
+    out = tmp_path / "windows.json"
+    assert windows.main(["--model", "smollm2", "--threads", "1", "--split", "dev", "--limit", "2", "--drafters",
+                         "lookup", "--max-new-tokens", "48", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["drafters"]) == {"lookup/fixed", "lookup/cost", "none/fixed"}
+    assert all(r["identical_to_none"] == 1.0 for r in report["drafters"].values())  # windows change speed only
+    assert report["drafters"]["lookup/cost"]["cost_vs_fixed"] > 0 and report["row_cost"]["rows"][0] == 1
+    assert "| lookup | cost |" in capsys.readouterr().out
