@@ -419,10 +419,12 @@ def test_bench_windows_runs_fixed_and_cost_side_by_side_with_identical_outputs(t
     import json
 
     from bench import windows
+    from conftest import FIXTURES
 
     out = tmp_path / "windows.json"
     assert windows.main(["--model", "smollm2", "--threads", "1", "--split", "dev", "--limit", "2", "--drafters",
-                         "lookup", "--max-new-tokens", "48", "--out", str(out)]) == 0
+                         "lookup", "--max-new-tokens", "48", "--out", str(out),
+                         "--data-dir", str(FIXTURES)]) == 0
     report = json.loads(out.read_text())
     assert set(report["drafters"]) == {"lookup/fixed", "lookup/cost", "none/fixed"}
     assert all(r["identical_to_none"] == 1.0 for r in report["drafters"].values())  # windows change speed only
