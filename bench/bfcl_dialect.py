@@ -85,15 +85,19 @@ def _fix_default(v: Any, t: Any) -> Any:
 _LANGUAGE_HINT = {"java": " Note that the provided function is in Java 8 SDK syntax.",
                   "javascript": " Note that the provided function is in JavaScript syntax."}
 _LANGUAGE_NAME = {"java": "Java", "javascript": "JavaScript"}
+# Every other category (Python, REST, live, irrelevance) gets the Python hint (``_get_language_specific_hint``).
+_PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
 
 
 def language_specific_pre_processing(fn: dict, language: str) -> dict:
-    """BFCL's ``_func_doc_language_specific_pre_processing`` for one Java/JavaScript function doc (a copy; Python
-    docs unchanged): the language hint appended to the description, every top-level parameter declared
+    """BFCL's ``_func_doc_language_specific_pre_processing`` for one function doc (a copy): the language hint
+    appended to the description (Python's for every language but Java and JavaScript, as BFCL does); for
+    Java/JavaScript, every top-level parameter declared
     ``"string"`` with its original type named in its description ("... in string representation."), an
     ``Array``/``ArrayList``/``array``'s ``items`` and a JS ``dict``'s ``properties`` moved into the description."""
     fn = copy.deepcopy(fn)
     if language not in _LANGUAGE_HINT:
+        fn["description"] = fn.get("description", "") + _PYTHON_HINT
         return fn
     lang = _LANGUAGE_NAME[language]
     fn["description"] = fn.get("description", "") + _LANGUAGE_HINT[language]
@@ -146,17 +150,16 @@ def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None
     """A call-only :class:`Tool` from one BFCL function doc (``{"name", "description", "parameters"}``).
 
     Args:
-        language: ``"java"`` / ``"javascript"``: the doc as BFCL's FC harness declares it
-            (:func:`language_specific_pre_processing`: every parameter a string of source code, so the grammar writes
-            only strings there); ``"python"`` or None: unchanged.
+        language: the doc as BFCL's FC harness declares it (:func:`language_specific_pre_processing`):
+            ``"java"`` / ``"javascript"``: every parameter a string of source code, so the grammar writes only
+            strings there; ``"python"`` or None: the Python hint appended to the description.
         code_strings: the older switch for the same (``language="java"`` when no language is given).
         literals: Java/JavaScript: each parameter's string kept to the literal syntax of its declared type
             (:func:`literal_syntax`).
     """
     language = language or ("java" if code_strings else None)
     syntax = literal_syntax(fn, language) if literals and language in _LANGUAGE_HINT else {}
-    if language in _LANGUAGE_HINT:
-        fn = language_specific_pre_processing(fn, language)
+    fn = language_specific_pre_processing(fn, language or "python")
     params = normalize_schema(fn.get("parameters") or {"type": "object", "properties": {}},
                               code_strings=language in _LANGUAGE_HINT)
     params.setdefault("type", "object")

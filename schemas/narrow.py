@@ -337,12 +337,40 @@ def _stated_applies(node: Any) -> bool:
     return pattern is not None and (not isinstance(default, str) or re.fullmatch(pattern[1:-1], default) is not None)
 
 
+# -- integers in JSON's interoperable range -------------------------------------------------------------------------
+SAFE_INTEGER = 2 ** 53 - 1  # RFC 8259 §6: [-(2**53)+1, 2**53-1] is exact in every JSON implementation
+
+
+def bound_integers(schema: Any) -> Any:
+    """A copy of ``schema`` where each integer without an upper (lower) bound takes ``maximum: 2**53 - 1``
+    (``minimum: -(2**53 - 1)``), the range every JSON implementation holds exactly (RFC 8259 §6), for the grammar
+    only, so a model cannot run away inside an integer's digits (seen on Qwen2.5-Coder-0.5B: ``150000…`` until the
+    token budget ran out); every integer of up to 15 digits still decodes. A bound the schema sets past that range
+    is kept, the other side widened to reach it. Returned as is when nothing applies."""
+    def applies(node: Any) -> bool:
+        return isinstance(node, dict) and node.get("type") == "integer" and not any(k in node for k in (
+            "enum", "const")) and (_bound(node, "maximum", "exclusiveMaximum") is None
+                                   or _bound(node, "minimum", "exclusiveMinimum") is None)
+
+    if not any(applies(node) for _, node in walk(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        if applies(node):
+            lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+            if hi is None:
+                node["maximum"] = max(SAFE_INTEGER, _ceil(lo[0]) + 1 if lo else SAFE_INTEGER)
+            if lo is None:
+                node["minimum"] = min(-SAFE_INTEGER, _floor(hi[0]) - 1 if hi else -SAFE_INTEGER)
+    return schema
+
+
 # -- the grammar's schema ------------------------------------------------------------------------------------------
 def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
                        max_decimals: int | None = None,
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
     """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
-    (:func:`stated_formats`), then bounded scalars (when asked).
+    (:func:`stated_formats`), integers kept to 64 bits (:func:`bound_integers`), then bounded scalars (when asked).
 
     Args:
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
@@ -351,7 +379,7 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
             dropped, never the tool. None: the steps are kept as built (they are satisfiable by construction).
     """
     out = schema
-    steps = [close_objects, stated_formats]
+    steps = [close_objects, stated_formats, bound_integers]
     if max_string_length is not None or max_decimals is not None:
         steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
     for step in steps:

@@ -235,3 +235,25 @@ def test_a_description_that_does_not_state_one_date_format_leaves_the_string_fre
 
     schema = {"type": "object", "properties": {"v": prop}, "required": ["v"]}
     assert stated_formats(schema) == schema
+
+
+
+# -- 3b. integers are kept to JSON's exact range (RFC 8259 §6), so their digits cannot run away ---------------------------------------------
+def test_an_unbounded_integer_ends_within_the_safe_range(llt, smol_tokenizer):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    for good in (0, 2 ** 53 - 1, -(2 ** 53 - 1), 150000000000000):
+        assert accepts(llt, smol_tokenizer, grammar, call("f", {"n": good})), good
+    for bad in (2 ** 53, -2 ** 53, 15 * 10 ** 40):
+        assert not accepts(llt, smol_tokenizer, grammar, call("f", {"n": bad})), bad
+    Tool.from_schema("f", schema).validate({"n": 15 * 10 ** 40})  # the grammar's narrowing only
+
+
+def test_integer_bounds_a_schema_sets_are_kept():
+    from schemas.narrow import bound_integers
+
+    wide = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2 ** 60}}}
+    assert bound_integers(wide)["properties"]["n"] == {"type": "integer", "minimum": 2 ** 60, "maximum": 2 ** 60 + 1}
+    both = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    assert bound_integers(both) == both
+    assert bound_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
