@@ -345,12 +345,14 @@ def bound_integers(schema: Any) -> Any:
     """A copy of ``schema`` where each integer without an upper (lower) bound takes ``maximum: 2**53 - 1``
     (``minimum: -(2**53 - 1)``), the range every JSON implementation holds exactly (RFC 8259 §6), for the grammar
     only, so a model cannot run away inside an integer's digits (seen on Qwen2.5-Coder-0.5B: ``150000…`` until the
-    token budget ran out); every integer of up to 15 digits still decodes. A bound the schema sets past that range
-    is kept, the other side widened to reach it. Returned as is when nothing applies."""
+    token budget ran out); every integer of up to 15 digits still decodes. An integer whose schema sets a bound
+    past that range (``minimum: 2**60``) is left alone: it is meant to be large. Returned as is when nothing
+    applies."""
     def applies(node: Any) -> bool:
-        return isinstance(node, dict) and node.get("type") == "integer" and not any(k in node for k in (
-            "enum", "const")) and (_bound(node, "maximum", "exclusiveMaximum") is None
-                                   or _bound(node, "minimum", "exclusiveMinimum") is None)
+        if not isinstance(node, dict) or node.get("type") != "integer" or any(k in node for k in ("enum", "const")):
+            return False
+        lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+        return (lo is None or hi is None) and not (lo and lo[0] >= SAFE_INTEGER - 1) and not (hi and hi[0] <= 1 - SAFE_INTEGER)
 
     if not any(applies(node) for _, node in walk(schema)):
         return schema
@@ -359,9 +361,9 @@ def bound_integers(schema: Any) -> Any:
         if applies(node):
             lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
             if hi is None:
-                node["maximum"] = max(SAFE_INTEGER, _ceil(lo[0]) + 1 if lo else SAFE_INTEGER)
+                node["maximum"] = SAFE_INTEGER
             if lo is None:
-                node["minimum"] = min(-SAFE_INTEGER, _floor(hi[0]) - 1 if hi else -SAFE_INTEGER)
+                node["minimum"] = -SAFE_INTEGER
     return schema
 
 

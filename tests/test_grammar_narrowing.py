@@ -253,7 +253,9 @@ def test_integer_bounds_a_schema_sets_are_kept():
     from schemas.narrow import bound_integers
 
     wide = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2 ** 60}}}
-    assert bound_integers(wide)["properties"]["n"] == {"type": "integer", "minimum": 2 ** 60, "maximum": 2 ** 60 + 1}
+    assert bound_integers(wide) == wide  # meant to be large: left alone
+    low = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}
+    assert bound_integers(low)["properties"]["n"] == {"type": "integer", "minimum": 0, "maximum": 2 ** 53 - 1}
     both = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
     assert bound_integers(both) == both
     assert bound_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
