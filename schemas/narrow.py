@@ -17,7 +17,7 @@ import functools
 import re
 from typing import Any, Callable
 
-from .check import resolve_local_ref, walk
+from .check import _SCHEMA_LIST, _SCHEMA_MAP, resolve_local_ref, walk
 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _COMBINATORS = ("allOf", "anyOf", "oneOf")
@@ -26,6 +26,27 @@ _PARTIAL = ("not", "if", "then", "else", "contains", "propertyNames", "dependent
             "unevaluatedProperties", "unevaluatedItems")
 _ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                 "writeOnly", "$id", "$anchor", "$schema"}
+
+
+# Narrowing a subschema under these keywords would not narrow the whole: ``not`` and ``if`` turn a narrower
+# subschema into a wider language, and a narrower ``oneOf`` branch can let through a value that two branches held.
+_NOT_NARROWABLE = {"not", "if", "oneOf"}
+
+
+def narrowable_nodes(schema: Any) -> list[dict]:
+    """The schema objects of ``schema`` (pre-order) whose narrowing narrows the whole schema: every node that is
+    not under ``not``, ``if`` or ``oneOf`` (property names are not mistaken for keywords)."""
+    out = []
+    for path, node in walk(schema):
+        i, keys = 0, []
+        while i < len(path):
+            keys.append(path[i])
+            named = path[i] in _SCHEMA_MAP or path[i] in _SCHEMA_LIST or path[i] == "dependencies" or (
+                path[i] == "items" and i + 1 < len(path) and isinstance(path[i + 1], int))
+            i += 2 if named else 1
+        if not _NOT_NARROWABLE.intersection(k for k in keys if isinstance(k, str)):
+            out.append(node)
+    return out
 
 
 # -- closing objects -------------------------------------------------------------------------------------------------
@@ -175,7 +196,7 @@ def bound_scalars(schema: Any, max_string_length: int | None = None, max_decimal
     SmolLM2-135M: ``"3.0000…"`` until the token budget ran out), and a satisfiable schema stays satisfiable.
     """
     schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
+    for node in narrowable_nodes(schema):
         t = node.get("type")
         if t == "string" and max_string_length is not None and not any(
                 k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
@@ -318,11 +339,10 @@ def stated_formats(schema: Any) -> Any:
     description states a date/time format (:func:`stated_format_pattern`) takes that format as its ``pattern``
     (for the grammar only; a string ``default`` the pattern would refuse leaves the node alone). Returned as is
     when nothing applies."""
-    hits = [node for _, node in walk(schema) if _stated_applies(node)]
-    if not hits:
+    if not any(_stated_applies(node) for node in narrowable_nodes(schema)):
         return schema
     schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
+    for node in narrowable_nodes(schema):
         if _stated_applies(node):
             node["pattern"] = stated_format_pattern(node["description"])
     return schema
@@ -346,18 +366,19 @@ def bound_integers(schema: Any) -> Any:
     (``minimum: -(2**53 - 1)``), the range every JSON implementation holds exactly (RFC 8259 §6), for the grammar
     only, so a model cannot run away inside an integer's digits (seen on Qwen2.5-Coder-0.5B: ``150000…`` until the
     token budget ran out); every integer of up to 15 digits still decodes. An integer whose schema sets a bound
-    past that range (``minimum: 2**60``) is left alone: it is meant to be large. Returned as is when nothing
-    applies."""
+    past that range (``minimum: 2**60``) is left alone: it is meant to be large; so is one under ``not``, ``if`` or
+    ``oneOf`` (:func:`narrowable_nodes`). Returned as is when nothing applies."""
     def applies(node: Any) -> bool:
         if not isinstance(node, dict) or node.get("type") != "integer" or any(k in node for k in ("enum", "const")):
             return False
         lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
-        return (lo is None or hi is None) and not (lo and lo[0] >= SAFE_INTEGER - 1) and not (hi and hi[0] <= 1 - SAFE_INTEGER)
+        large = (lo is not None and lo[0] >= SAFE_INTEGER - 1) or (hi is not None and hi[0] <= 1 - SAFE_INTEGER)
+        return (lo is None or hi is None) and not large
 
-    if not any(applies(node) for _, node in walk(schema)):
+    if not any(applies(node) for node in narrowable_nodes(schema)):
         return schema
     schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
+    for node in narrowable_nodes(schema):
         if applies(node):
             lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
             if hi is None:
@@ -372,7 +393,8 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
                        max_decimals: int | None = None,
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
     """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
-    (:func:`stated_formats`), integers kept to 64 bits (:func:`bound_integers`), then bounded scalars (when asked).
+    (:func:`stated_formats`), integers kept to JSON's exact range (:func:`bound_integers`), then bounded scalars
+    (when asked); each narrows only nodes whose narrowing narrows the whole (:func:`narrowable_nodes`).
 
     Args:
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).

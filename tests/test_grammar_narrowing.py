@@ -259,3 +259,26 @@ def test_integer_bounds_a_schema_sets_are_kept():
     both = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
     assert bound_integers(both) == both
     assert bound_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"n": {"not": {"type": "integer"}}}},
+    {"type": "object", "properties": {"n": {"if": {"type": "integer"}, "then": {"minimum": 0}}}},
+    {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 1e16}]}}},
+    {"type": "object", "properties": {"s": {"not": {"type": "string", "description": "In the format 'YYYY-MM-DD'."}}}},
+], ids=["not", "if", "oneOf", "format-under-not"])
+def test_nothing_under_not_if_or_one_of_is_narrowed(schema):
+    """Bounding an integer under ``not`` would let through the integers the bound leaves out, which the schema
+    forbids: the grammar's language must stay a subset."""
+    from schemas.narrow import bound_integers, bound_scalars, stated_formats
+
+    assert bound_integers(schema) == schema and stated_formats(schema) == schema
+    assert bound_scalars(schema, max_string_length=10, max_decimals=2) == schema
+
+
+def test_a_property_named_like_a_keyword_is_still_narrowed():
+    from schemas.narrow import bound_integers
+
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "integer"}}}
+    out = bound_integers(schema)["properties"]
+    assert out["not"]["maximum"] == out["if"]["maximum"] == 2 ** 53 - 1
