@@ -23,28 +23,31 @@ _SUBSCHEMA = {"not", "if", "then", "else", "items", "additionalProperties", "con
 _SCHEMA_MAP = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 _SCHEMA_LIST = {"allOf", "anyOf", "oneOf", "prefixItems"}
 
-def walk(schema: Any, path: tuple = ()) -> Iterator[tuple[tuple, dict]]:
-    """Yield ``(path, node)`` for every schema object in ``schema`` (pre-order)."""
+def walk(schema: Any, path: tuple = (), skip: frozenset[str] = frozenset()) -> Iterator[tuple[tuple, dict]]:
+    """Yield ``(path, node)`` for every schema object in ``schema`` (pre-order); subschemas under a keyword in
+    ``skip`` (e.g. ``"not"``) are not visited."""
     if not isinstance(schema, dict):
         return
     yield path, schema
     for key, value in schema.items():
+        if key in skip:
+            continue
         if key in _SUBSCHEMA:
             if isinstance(value, list) and key == "items":
                 for i, sub in enumerate(value):
-                    yield from walk(sub, path + (key, i))
+                    yield from walk(sub, path + (key, i), skip)
             else:
-                yield from walk(value, path + (key,))
+                yield from walk(value, path + (key,), skip)
         elif key in _SCHEMA_MAP and isinstance(value, dict):
             for name, sub in value.items():
-                yield from walk(sub, path + (key, name))
+                yield from walk(sub, path + (key, name), skip)
         elif key in _SCHEMA_LIST and isinstance(value, list):
             for i, sub in enumerate(value):
-                yield from walk(sub, path + (key, i))
+                yield from walk(sub, path + (key, i), skip)
         elif key == "dependencies" and isinstance(value, dict):
             for name, sub in value.items():
                 if isinstance(sub, dict):
-                    yield from walk(sub, path + (key, name))
+                    yield from walk(sub, path + (key, name), skip)
 
 
 def find_keyword(schema: Any, keyword: str) -> list[str]:

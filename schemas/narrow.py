@@ -17,7 +17,7 @@ import functools
 import re
 from typing import Any, Callable
 
-from .check import _SCHEMA_LIST, _SCHEMA_MAP, resolve_local_ref, walk
+from .check import resolve_local_ref, walk
 
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 _COMBINATORS = ("allOf", "anyOf", "oneOf")
@@ -30,23 +30,13 @@ _ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment
 
 # Narrowing a subschema under these keywords would not narrow the whole: ``not`` and ``if`` turn a narrower
 # subschema into a wider language, and a narrower ``oneOf`` branch can let through a value that two branches held.
-_NOT_NARROWABLE = {"not", "if", "oneOf"}
+_NOT_NARROWABLE = frozenset({"not", "if", "oneOf"})
 
 
 def narrowable_nodes(schema: Any) -> list[dict]:
     """The schema objects of ``schema`` (pre-order) whose narrowing narrows the whole schema: every node that is
-    not under ``not``, ``if`` or ``oneOf`` (property names are not mistaken for keywords)."""
-    out = []
-    for path, node in walk(schema):
-        i, keys = 0, []
-        while i < len(path):
-            keys.append(path[i])
-            named = path[i] in _SCHEMA_MAP or path[i] in _SCHEMA_LIST or path[i] == "dependencies" or (
-                path[i] == "items" and i + 1 < len(path) and isinstance(path[i + 1], int))
-            i += 2 if named else 1
-        if not _NOT_NARROWABLE.intersection(k for k in keys if isinstance(k, str)):
-            out.append(node)
-    return out
+    not under ``not``, ``if`` or ``oneOf``."""
+    return [node for _, node in walk(schema, skip=_NOT_NARROWABLE)]
 
 
 # -- closing objects -------------------------------------------------------------------------------------------------

@@ -237,8 +237,7 @@ def test_a_description_that_does_not_state_one_date_format_leaves_the_string_fre
     assert stated_formats(schema) == schema
 
 
-
-# -- 3b. integers are kept to JSON's exact range (RFC 8259 §6), so their digits cannot run away ---------------------------------------------
+# -- 3b. integers are kept to JSON's exact range (RFC 8259 §6), so their digits cannot run away ---------------------
 def test_an_unbounded_integer_ends_within_the_safe_range(llt, smol_tokenizer):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
