@@ -69,6 +69,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-grounding", dest="grounding", action="store_false",
                    help="return calls as decoded: keep optional arguments the conversation does not write, and "
                         "never decode a turn again whose calls take nothing from it (agent/grounding.py)")
+    p.add_argument("--no-close-at-model-end", dest="close_at_model_end", action="store_false",
+                   help="where the model asks to end inside a call it is writing, keep it writing (the grammar masks "
+                        "its end) instead of closing the call there (EngineConfig.close_at_model_end)")
 
 
 def _agent(args, tools, **kwargs):
@@ -165,7 +168,8 @@ def _config(args):
 
     return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
                         window=args.window, max_string_length=args.max_string_length, max_decimals=args.max_decimals,
-                        max_new_tokens=args.max_new_tokens, grounding=args.grounding)
+                        max_new_tokens=args.max_new_tokens, grounding=args.grounding,
+                        close_at_model_end=args.close_at_model_end)
 
 
 def _drafter_label(generator, name: str) -> str:

@@ -56,6 +56,13 @@ class EngineConfig:
             from the conversation is decoded again without those tools. On by default; False returns the calls as
             the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
+        close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
+            is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish), the decode
+            stops there and the call is closed at its last point where its value can be closed and its arguments
+            validate (:meth:`agent.formats.ToolFormat.closed_turns`); the turn ends with its whole calls, the
+            closed one last (``stats.closed_at_end``). Where no closed call validates, the call is dropped as a
+            budget cut drops it (``stop_reason == "length"``). On by default; False: the grammar keeps the model
+            writing until the call is whole or the budget cuts it.
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -74,6 +81,7 @@ class EngineConfig:
     count_masked_ends: bool = False
     grounding: bool = True
     grounding_retries: int = DEFAULT_GROUNDING_RETRIES
+    close_at_model_end: bool = True
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -83,8 +91,9 @@ class EngineConfig:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_parallel_calls", self.max_parallel_calls, 1)
         _check_int("grounding_retries", self.grounding_retries, 0)
-        if not isinstance(self.grounding, bool):
-            raise ValueError(f"grounding must be a boolean, got {self.grounding!r}")
+        for name in ("grounding", "close_at_model_end"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.max_string_length is not None:
             _check_int("max_string_length", self.max_string_length, 1)
         if self.max_decimals is not None:
@@ -122,9 +131,10 @@ class DecodedTurn:
         calls: ``[{"name", "arguments", "id"?}]`` when the turn is a complete tool-call turn, else None.
             ``arguments`` is a dict, or a JSON string as a server sent it.
         is_call: the turn opened a tool call (also when it was cut: ``calls`` is then None).
-        stop_reason: ``eos`` (the model ended), ``grammar`` (nothing else allowed, or the budget ran out where the
-            grammar accepts a turn of calls: every call is whole), ``length`` (budget reached mid-output),
-            ``stop`` (a stop sequence).
+        stop_reason: ``eos`` (the model ended; also where it asked to end inside a call the engine then closed:
+            ``EngineConfig.close_at_model_end``), ``grammar`` (nothing else allowed, or the budget ran out where the
+            grammar accepts a turn of calls: every call is whole), ``length`` (budget reached mid-output, or the
+            model ended inside a call that no closing made valid), ``stop`` (a stop sequence).
         stats: decode statistics (a remote engine fills what the server reports).
         drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
     """
@@ -294,10 +304,13 @@ class LocalEngine:
         masked = parallel_tool_calls is True and self.format.counts_calls
         end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
                                     context=conversation_text(messages) if masked else None) if parallel else None
+        # the model asks to end inside a call it is writing: stop there (closed below)
+        end_when = (lambda text: self.format.open_call(text) is not None) \
+            if config.close_at_model_end and allowed and mode != "none" else None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, window=config.window, on_text=on_text,
-                                      stop_when=end_rule)
+                                      stop_when=end_rule, end_when=end_when)
         if end_rule is not None and end_rule.text is None:
             end_rule(out.text)  # the last step's text may not have been checked (it ended inside a character)
         text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text
@@ -306,6 +319,13 @@ class LocalEngine:
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
             self.format.is_call(text) or text.startswith(self.call_prefixes))))
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
+        if stop == "masked_end":  # the model ended inside its last call: close it where its arguments validate
+            closed = self._close(text, allowed) if is_call else None
+            if closed is not None:
+                text, stop = closed, "eos"
+                out.stats.closed_at_end += 1
+            else:
+                stop = "length"  # as a budget cut: the whole calls before it, never the open one
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
             stop = "grammar"  # every call is whole (another could have followed): nothing was cut
         if stop == "length" and config.count_masked_ends:
@@ -361,6 +381,21 @@ class LocalEngine:
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
                                            else 2, answer_opens_no_call=True if answer_only else None)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
+
+    def _close(self, text: str, allowed: list[Tool]) -> str | None:
+        """The longest of :meth:`ToolFormat.closed_turns` of ``text`` whose closed call names a callable tool and
+        whose arguments validate against its schema (None: none does)."""
+        tools = {t.name: t for t in allowed}
+        for turn, calls in self.format.closed_turns(text):
+            tool = tools.get(calls[-1].get("name"))
+            if tool is None:
+                continue
+            try:
+                tool.validate(calls[-1].get("arguments"))
+            except ValueError:
+                continue
+            return turn
+        return None
 
     def _accepts(self, grammar, tokens: list[int]) -> bool:
         """Whether ``grammar`` accepts ``tokens`` as a whole output (replayed on a fresh state)."""

@@ -4,7 +4,8 @@ A request is checked field by field before anything is decoded; every problem ra
 the field (``tools[0].function.parameters``, ``messages[2].tool_calls[0]``, ``response_format.json_schema.schema``)
 so the server answers HTTP 400 with a message a client can act on. Our own knobs are extra fields under their own
 names: ``drafter``, ``num_draft_tokens`` (at most :data:`MAX_NUM_DRAFT_TOKENS`), ``adaptive``, ``window``
-(``"cost"`` or ``"fixed"``), ``max_string_length``, ``max_decimals``, ``grounding`` (a boolean: ``agent.grounding``). ``seed`` is a 64-bit
+(``"cost"`` or ``"fixed"``), ``max_string_length``, ``max_decimals``, ``grounding`` (a boolean:
+``agent.grounding``), ``close_at_model_end`` (a boolean: ``agent.engine.EngineConfig``). ``seed`` is a 64-bit
 integer. A ``tool`` message needs a ``tool_call_id`` naming a call of the assistant message before it (as OpenAI).
 ``response_format``'s ``json_schema.strict: false`` relaxes in the grammar what it cannot enforce; the answer is
 validated after.
@@ -25,7 +26,7 @@ STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_c
                    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
                    "stream_options", "n", "user")
 EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "window", "max_string_length", "max_decimals",
-                "grounding")
+                "grounding", "close_at_model_end")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of at most this many characters
 MAX_NUM_DRAFT_TOKENS = 32  # γ per request: the speculative window's own cap (decoding.speculative max_window)

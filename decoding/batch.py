@@ -47,7 +47,7 @@ from schemas.errors import SpecAgentError
 from .drafters import Drafter
 from .llamacpp import LlamaCppModel, SequenceBatchContext, common_prefix
 from .sampling import SamplingParams
-from .speculative import SpeculativeSequence, verify_inputs, verify_logits
+from .speculative import SpeculativeSequence, verify_end_rows, verify_inputs, verify_logits
 from .stats import DecodeResult
 
 DEFAULT_SEQ_CTX = 2048  # KV positions per sequence (prompt + new tokens of one request)
@@ -240,9 +240,11 @@ class BatchScheduler:
                num_draft_tokens: int = 4, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                adaptive: bool = False, max_num_draft_tokens: int = 8, max_window: int = 32,
                eos_token_id: int | None = None, tokenizer=None,
-               on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+               on_step: Callable[[list[int]], bool | None] | None = None,
+               end_when: Callable[[list[int]], bool] | None = None) -> DecodeResult:
         """:func:`decoding.speculative.speculative_decode` of one sequence, batched with the others; blocks until it
-        is done. ``max_window=0`` with no drafter is one token per forward (the reference decode).
+        is done. ``max_window=0`` with no drafter is one token per forward (the reference decode). ``end_when``:
+        as there (called in the scheduler's thread).
 
         ``on_step`` runs in the scheduler's thread after each committed step; an exception from it ends this
         sequence (its KV cache removed, its slot freed) and is re-raised here.
@@ -264,7 +266,7 @@ class BatchScheduler:
         req = _Request(list(prompt), state, drafter, dict(
             num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens, sampling=sampling, adaptive=adaptive,
             max_num_draft_tokens=max_num_draft_tokens, max_window=max_window, eos_token_id=eos_token_id,
-            tokenizer=tokenizer, on_step=on_step))
+            tokenizer=tokenizer, on_step=on_step, end_when=end_when))
         with self._cond:
             if self._closed:
                 raise SchedulerClosedError("the batch scheduler is closed")
@@ -400,7 +402,10 @@ class BatchScheduler:
             run = req.run
             try:
                 t1 = time.perf_counter()
-                verdict = run.accept(verify_logits(torch.from_numpy(out), needed, n_rows, run.setup.bitmask))
+                raw = torch.from_numpy(out)
+                ends = [] if run.end_when is None else verify_end_rows(raw, needed, n_rows, run.setup.bitmask,
+                                                                        run.setup.eos)
+                verdict = run.accept(verify_logits(raw, needed, n_rows, run.setup.bitmask), ends)
                 run.stats.verify_seconds += seconds + time.perf_counter() - t1  # this sequence waited for it all
                 run.commit(verdict)
             except BaseException as e:  # noqa: BLE001 - on_step raised (client gone, timeout): this one leaves

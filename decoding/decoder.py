@@ -12,11 +12,41 @@ from typing import Callable
 
 import torch
 
-from constraints import ConstraintState, allocate_bitmask, apply_bitmask
+from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row
 
 from .backends import TargetModel
 from .sampling import SamplingParams, pick
 from .stats import DecodeResult, DecodeStats
+
+
+MASKED_END = "masked_end"  # stop reason: the model's end where the grammar forbade it, and ``end_when`` said stop
+
+
+def masked_end_rows(logits: torch.Tensor, rows: list[int] | None, bitmask: torch.Tensor,
+                    eos: frozenset[int]) -> list[int]:
+    """The rows where the model asks to end and the grammar forbids it: row ``r`` (of ``bitmask``, ``int32 [R, W]``)
+    is listed when the *unmasked* argmax of its logits is an end-of-generation token (``eos``), bitmask row ``r``
+    forbids that token, and row ``r`` allows more than one token (a schema-forced position, whose logits a
+    speculative verify may skip, is never listed, so every decode path sees the same positions).
+
+    Args:
+        logits: ``float [len(rows), V]`` target logits, unmasked; with ``rows`` None, row ``r`` is ``logits[r]``.
+        rows: the bitmask row of each logits row, ascending (None: ``range(len(logits))``).
+    Returns: the listed rows, ascending.
+    """
+    rows = list(range(logits.shape[0])) if rows is None else rows
+    argmax = logits[:len(rows)].argmax(dim=-1).tolist()
+    return [r for r, tok in zip(rows, argmax)
+            if tok in eos and not is_allowed_row(bitmask[r], tok) and _allows_several(bitmask[r])]
+
+
+def _allows_several(bitmask_row: torch.Tensor) -> bool:
+    """Whether the ``int32 [W]`` row allows two tokens or more."""
+    nz = torch.nonzero(bitmask_row).flatten()
+    if nz.numel() != 1:
+        return nz.numel() > 1
+    value = int(bitmask_row[int(nz[0])]) & 0xFFFFFFFF
+    return bool(value & (value - 1))
 
 
 def prefill(target: TargetModel, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):
@@ -126,7 +156,8 @@ def detokenize(tokens: list[int], state: ConstraintState, tokenizer=None) -> str
 
 def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, max_new_tokens: int = 256,
            sampling: SamplingParams = SamplingParams(), eos_token_id: int | None = None,
-           tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None) -> DecodeResult:
+           tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None,
+           end_when: Callable[[list[int]], bool] | None = None) -> DecodeResult:
     """Constrained decoding, one token per forward.
 
     Args:
@@ -140,6 +171,10 @@ def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, ma
         tokenizer: HF tokenizer for ``text`` (None: llguidance's decoder).
         on_step: called with the output tokens so far after each emitted token (streaming); a true return value
             stops the decode there (``stop_reason == "stop"``: a stop condition, nothing cut).
+        end_when: asked with the output tokens so far at each position where the model asks to end and the grammar
+            forbids it (:func:`masked_end_rows`); True stops the decode before that position's token
+            (``stop_reason == "masked_end"``). The rule depends on the prefix alone, so the speculative decoders
+            stop at the same position (greedy) and keep the distribution (sampling).
 
     Returns:
         :class:`DecodeResult`; stops at EOS (allowed only when the grammar accepts) or when the grammar is complete.
@@ -155,6 +190,9 @@ def decode(target: TargetModel, prompt: list[int], state: ConstraintState, *, ma
         stats.target_forwards += 1
         stats.verify_seconds += time.perf_counter() - t0
         state.fill_bitmask(run.bitmask, 0)
+        if end_when is not None and masked_end_rows(logits[-1:], None, run.bitmask, run.eos) and end_when(tokens):
+            stop = MASKED_END
+            break
         tok, _ = pick(apply_bitmask(logits[-1:].clone(), run.bitmask), sampling, run.generator)
         if tok in run.eos:
             stop = "eos"

@@ -310,7 +310,8 @@ class Generator:
                  sampling: SamplingParams = SamplingParams(), drafter: str | None = None,
                  num_draft_tokens: int | None = None, adaptive: bool | None = None,
                  on_text: Callable[[str], None] | None = None,
-                 stop_when: Callable[[str], bool] | None = None, window: str | None = None) -> DecodeResult:
+                 stop_when: Callable[[str], bool] | None = None, window: str | None = None,
+                 end_when: Callable[[str], bool] | None = None) -> DecodeResult:
         """Decode one sequence after ``prompt`` under ``grammar`` (or an existing state, advanced in place).
 
         Args:
@@ -320,6 +321,11 @@ class Generator:
             stop_when: called with the whole text so far after each committed step; True ends the decode there
                 (``stop_reason == "stop"``; a speculative step may have committed a few tokens past the point the
                 caller looks for, so the caller trims the text it keeps).
+            end_when: called with the text so far at each position where the model's unmasked argmax is one of
+                its end-of-generation tokens and the grammar forbids it there (a position that allows more than
+                one token: ``decoding.decoder.masked_end_rows``); True ends the decode before that position
+                (``stop_reason == "masked_end"``), in every decode path at the same position (the engine closes
+                the call being written there: ``agent.engine``).
         Raises:
             ContextLengthError: ``prompt`` leaves no room in the model's context; ``max_new_tokens`` is otherwise
                 cut to what fits.
@@ -340,16 +346,18 @@ class Generator:
         check_drafter(mode)
         self.check_supported(mode)
         on_step = None if on_text is None and stop_when is None else _TextDeltas(self.tokenizer, on_text, stop_when)
+        at_end = None if end_when is None else \
+            (lambda tokens: bool(end_when(self.tokenizer.decode(tokens, skip_special_tokens=False))))
         if self.batcher is not None:  # continuous batching: the same step, verified with the other sequences'
             result = self.batcher.decode(
                 prompt, state, None if mode == "none" else self.make_drafter(mode),
                 num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling, tokenizer=self.tokenizer, on_step=on_step,
-                adaptive=self.adaptive if adaptive is None else adaptive,
+                adaptive=self.adaptive if adaptive is None else adaptive, end_when=at_end,
                 **({"max_window": 0} if mode == "none" else {}))  # none: one token per forward
         elif mode == "none":
             result = decode(self.new_target(), prompt, state, max_new_tokens=max_new_tokens, sampling=sampling,
-                            tokenizer=self.tokenizer, on_step=on_step)
+                            tokenizer=self.tokenizer, on_step=on_step, end_when=at_end)
         else:
             cost = self.row_cost(window)  # before the target: a first calibration runs on this thread's context
             result = speculative_decode(
@@ -357,7 +365,7 @@ class Generator:
                 num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                 max_new_tokens=max_new_tokens, sampling=sampling,
                 adaptive=self.adaptive if adaptive is None else adaptive, tokenizer=self.tokenizer, on_step=on_step,
-                row_cost=cost)
+                row_cost=cost, end_when=at_end)
         if on_step is not None:
             on_step.finish(result.text)
         return result

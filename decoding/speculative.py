@@ -25,7 +25,7 @@ import torch
 
 from constraints import ConstraintState, apply_bitmask, is_allowed_row, single_allowed
 
-from .decoder import finish_decode, start_decode
+from .decoder import MASKED_END, finish_decode, masked_end_rows, start_decode
 from .backends import TargetModel
 from .drafters import Drafter, NoDrafter
 from .sampling import SamplingParams, probs_from_logits, sample
@@ -105,8 +105,8 @@ def draft_window(state: ConstraintState, drafter: Drafter | None, seq: list[int]
     return Draft(tokens, qs, forced, rows)
 
 
-def verify(target: TargetModel, cur: int, draft: Draft, bitmask: torch.Tensor, *,
-           hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def verify(target: TargetModel, cur: int, draft: Draft, bitmask: torch.Tensor, *, hidden: bool = False,
+           eos: frozenset[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """One target forward over ``[cur, d1 … dk]`` (a trailing EOS needs no logits after it).
 
     Row i's logits decide draft token ``d_{i+1}``; where that token is schema-forced (row i of the mask allows it
@@ -116,15 +116,28 @@ def verify(target: TargetModel, cur: int, draft: Draft, bitmask: torch.Tensor, *
     :func:`verify_logits`, let a scheduler verify several sequences' windows in one forward (``decoding.batch``).
 
     Returns:
-        ``(target_logits, hidden)``: target logits ``float [rows, V]`` with row i masked by ``bitmask[i]`` (the
-        bonus row included), and with ``hidden=True`` the target's last-layer states ``float [k + 1, d]``.
+        ``(target_logits, hidden, end_rows)``: target logits ``float [rows, V]`` with row i masked by
+        ``bitmask[i]`` (the bonus row included); with ``hidden=True`` the target's last-layer states
+        ``float [k + 1, d]``; with ``eos`` the rows where the model asks to end and the mask forbids it
+        (:func:`verify_end_rows`), else ``[]``.
     """
     tokens, needed, n_rows = verify_inputs(cur, draft)
     if needed is None:
         logits, h = target.forward(tokens, hidden=hidden)
     else:
         logits, h = target.forward(tokens, hidden=hidden, logit_rows=needed)
-    return verify_logits(logits, needed, n_rows, bitmask), h
+    ends = [] if eos is None else verify_end_rows(logits, needed, n_rows, bitmask, eos)
+    return verify_logits(logits, needed, n_rows, bitmask), h, ends
+
+
+def verify_end_rows(logits: torch.Tensor, needed: list[int] | None, n_rows: int, bitmask: torch.Tensor,
+                    eos: frozenset[int]) -> list[int]:
+    """:func:`decoding.decoder.masked_end_rows` of a verify's unmasked rows (``logits`` and ``needed`` as
+    :func:`verify_logits` takes them): the rows below ``n_rows`` where the model asks to end and the mask forbids
+    it (rows whose LM head was skipped are forced, so never listed)."""
+    rows = list(range(n_rows)) if needed is None else needed
+    keep = [i for i, r in enumerate(rows) if r < n_rows]
+    return masked_end_rows(logits[keep], [rows[i] for i in keep], bitmask, eos)
 
 
 def verify_inputs(cur: int, draft: Draft) -> tuple[list[int], list[int] | None, int]:
@@ -301,7 +314,8 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
                        sampling: SamplingParams = SamplingParams(), adaptive: bool = False,
                        max_num_draft_tokens: int = 8, max_window: int = 32, eos_token_id: int | None = None,
                        tokenizer=None, on_step: Callable[[list[int]], bool | None] | None = None,
-                       row_cost: RowCost | None = None) -> DecodeResult:
+                       row_cost: RowCost | None = None,
+                       end_when: Callable[[list[int]], bool] | None = None) -> DecodeResult:
     """Constrained speculative decoding (module docstring): draft, verify, accept, commit until EOS, a complete
     grammar or ``max_new_tokens``. ``drafter`` proposes non-forced tokens (None: schema-forced tokens only);
     γ = ``num_draft_tokens`` drafter tokens per window (forced ones do not count; ``max_window`` caps both),
@@ -309,16 +323,20 @@ def speculative_decode(target: TargetModel, prompt: list[int], state: Constraint
     with ``row_cost`` (the backend's measured :class:`decoding.window.RowCost`) a token is drafted only where its
     verify row pays (:class:`decoding.window.WindowPolicy`); greedy when ``sampling.temperature == 0``.
     ``on_step(tokens)`` runs after each committed step (grammar state and KV cache then equal those rebuilt from
-    scratch); True from it stops there (``"stop"``). → :class:`DecodeResult`."""
+    scratch); True from it stops there (``"stop"``). ``end_when`` as in :func:`decoding.decoder.decode`: asked
+    at each accepted position where the model asks to end and the grammar forbids it (:func:`verify_end_rows`),
+    True stops before that position (``"masked_end"``). → :class:`DecodeResult`."""
     run = SpeculativeSequence(target, prompt, state, drafter, num_draft_tokens=num_draft_tokens,
                               max_new_tokens=max_new_tokens, sampling=sampling, adaptive=adaptive,
                               max_num_draft_tokens=max_num_draft_tokens, max_window=max_window,
-                              eos_token_id=eos_token_id, tokenizer=tokenizer, on_step=on_step, row_cost=row_cost)
+                              eos_token_id=eos_token_id, tokenizer=tokenizer, on_step=on_step, row_cost=row_cost,
+                              end_when=end_when)
     while (draft := run.draft()) is not None:
         with run.stats.timer("verify_seconds", target.synchronize):  # CUDA is asynchronous: time the work
-            target_logits, hidden = verify(target, run.cur, draft, run.setup.bitmask,
-                                           hidden=run.drafter.needs_hidden_states)
-            verdict = run.accept(target_logits)
+            target_logits, hidden, ends = verify(target, run.cur, draft, run.setup.bitmask,
+                                                 hidden=run.drafter.needs_hidden_states,
+                                                 eos=None if end_when is None else run.setup.eos)
+            verdict = run.accept(target_logits, ends)
         run.commit(verdict, hidden)
     return run.finish()
 
@@ -345,12 +363,15 @@ class SpeculativeSequence:
                  num_draft_tokens: int = 4, max_new_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
                  adaptive: bool = False, max_num_draft_tokens: int = 8, max_window: int = 32,
                  eos_token_id: int | None = None, tokenizer=None,
-                 on_step: Callable[[list[int]], bool | None] | None = None, row_cost: RowCost | None = None):
+                 on_step: Callable[[list[int]], bool | None] | None = None, row_cost: RowCost | None = None,
+                 end_when: Callable[[list[int]], bool] | None = None):
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target, self.prompt_length, self.state, self.sampling = target, len(prompt), state, sampling
         self.max_new_tokens, self.adaptive, self.max_window = max_new_tokens, adaptive, max_window
         self.max_num_draft_tokens, self.tokenizer, self.on_step = max_num_draft_tokens, tokenizer, on_step
+        self.end_when = end_when
+        self.end_at: int | None = None  # the window row where end_when stopped the decode
         self.drafter = drafter or NoDrafter()
         self.drafter.reset()
         self.setup = start_decode(target, prompt, state, sampling, eos_token_id, rows=max_window + 1,
@@ -382,9 +403,22 @@ class SpeculativeSequence:
         self.base = self.target.length
         return self.window
 
-    def accept(self, target_logits: torch.Tensor) -> tuple[int, int | None]:
-        """:func:`accept` on the window's masked verify logits ``float [rows, V]``: ``(num_accepted, bonus)``."""
-        return accept(target_logits, self.window, self.sampling, self.setup.generator)
+    def accept(self, target_logits: torch.Tensor, end_rows: list[int] = ()) -> tuple[int, int | None]:
+        """:func:`accept` on the window's masked verify logits ``float [rows, V]``: ``(num_accepted, bonus)``.
+
+        ``end_rows``: the rows where the model asks to end and the grammar forbids it (:func:`verify_end_rows`,
+        ascending); at the first one the decode reaches (row ``r <= num_accepted``) for which ``end_when`` says
+        stop, the verdict is ``(r, None)``: the drafts before it are kept, and :meth:`commit` ends the decode there
+        (``"masked_end"``), as the one-token-per-forward decoder would."""
+        verdict = accept(target_logits, self.window, self.sampling, self.setup.generator)
+        if self.end_when is not None:
+            for r in end_rows:
+                if r > verdict[0]:
+                    break
+                if self.end_when(self.tokens + self.window.tokens[:r]):
+                    self.end_at = r
+                    return r, None
+        return verdict
 
     def commit(self, verdict: tuple[int, int | None], hidden: torch.Tensor | None = None) -> None:
         """Count the window, adapt γ, :func:`commit` the accepted tokens (grammar rollback, KV crop), report them
@@ -398,7 +432,13 @@ class SpeculativeSequence:
         if self.adaptive and num_drafted:
             self.gamma = self.drafter.adapt_num_draft_tokens(self.gamma, num_drafted, num_model_accepted,
                                                              self.max_num_draft_tokens)
-        new_tokens, stop = commit(self.state, self.target, draft, num_accepted, bonus, self.base, self.setup.eos)
+        if self.end_at is not None:  # the model asked to end inside the window and end_when stopped it there
+            self.state.rollback(draft.num_consumed - num_accepted)
+            self.target.crop(self.base + 1 + num_accepted)
+            new_tokens, stop = draft.tokens[:num_accepted], MASKED_END
+        else:
+            new_tokens, stop = commit(self.state, self.target, draft, num_accepted, bonus, self.base,
+                                      self.setup.eos)
         self.tokens.extend(new_tokens)
         if report_step(self.on_step, self.tokens, new_tokens, self.target, self.prompt_length,
                        final=stop is not None) and stop is None:

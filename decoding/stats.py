@@ -22,6 +22,8 @@ class DecodeStats:
         drafted_by_position / accepted_by_position: per draft position in the window (0 = first drafted token).
         masked_end_argmax: positions where the model's unmasked argmax was an end-of-generation token the grammar
             forbade (counted only for turns cut by the budget, when asked: ``EngineConfig.count_masked_ends``).
+        closed_at_end: calls the engine closed where the model asked to end inside them (``agent.engine``:
+            ``EngineConfig.close_at_model_end``; the closing brackets were written by the engine, not decoded).
         seconds: wall time of the decode (s), prefill included; ``prefill_seconds`` (the target's prompt forward,
             and an MTP head's pass over the prompt), ``draft_seconds``, ``verify_seconds``, ``mask_seconds`` split it
             (mask time is also inside draft time).
@@ -35,6 +37,7 @@ class DecodeStats:
     accepted: int = 0
     forced: int = 0
     masked_end_argmax: int = 0
+    closed_at_end: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -127,7 +130,8 @@ class DecodeResult:
         tokens: emitted token ids (EOS excluded).
         text: ``tokens`` decoded.
         stop_reason: ``"eos"`` (model ended, grammar accepting), ``"grammar"`` (grammar complete, nothing else
-            allowed) or ``"length"`` (``max_new_tokens`` reached).
+            allowed), ``"length"`` (``max_new_tokens`` reached), ``"stop"`` (a stop condition) or ``"masked_end"``
+            (the model asked to end where the grammar forbade it, and the caller's ``end_when`` stopped there).
         stats: :class:`DecodeStats`.
     """
 
@@ -138,5 +142,6 @@ class DecodeResult:
 
     @property
     def truncated(self) -> bool:
-        """True when ``max_new_tokens`` cut the output: never to be presented as a valid call."""
-        return self.stop_reason == "length"
+        """True when the output is cut (``max_new_tokens``, or ``"masked_end"``): never to be presented as a valid
+        call as it stands."""
+        return self.stop_reason in ("length", "masked_end")

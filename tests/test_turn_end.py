@@ -387,3 +387,110 @@ def test_several_calls_asked_for_end_at_the_first_call_past_the_second_with_noth
     assert three.stop_reason != "eos"
     free = turn("Weather in Oslo and Rome?", parallel=None)  # the model ends the turn: the rule does not apply
     assert free.stop_reason == "eos" and [c["arguments"]["city"] for c in free.calls] == ["Oslo", "Rome", "Paris"]
+
+
+PLAY = Tool.from_openai({"type": "function", "function": {
+    "name": "play", "description": "Play rounds of the game of life from a board.",
+    "parameters": {"type": "object", "properties": {
+        "rounds": {"type": "integer"}, "board": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["rounds", "board"], "additionalProperties": False}}})
+
+
+def play_text(name: str, arguments: str) -> str:
+    """A call of ``play`` cut inside ``arguments`` (the arguments object's text so far) in the family's layout."""
+    key = "parameters" if name == "llama3_json" else "arguments"
+    obj = '{"name": "play", "%s": %s' % (key, arguments)
+    return {"hermes": "<tool_call>\n" + obj, "generic": "<tool_call>[" + obj}.get(name, obj)
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_models_end_inside_a_call_closes_the_call_there(smol_dir, name, drafter):
+    """A runaway list (BFCL parallel_multiple_52: ``start_board: [0, 0, …]`` to the budget): where the model's argmax
+    is its end token inside the call, the decode stops and the call is closed there, valid; before, the grammar
+    masked the end and the turn ran to the budget and returned nothing."""
+    fmt, gen = scripted(smol_dir, name, play_text(name, '{"rounds": 3, "board": [0, 0, 0'), "<|endoftext|>")
+    engine = LocalEngine(gen)
+    messages = [{"role": "user", "content": "Play 3 rounds on an empty board."}]
+    turn = engine.turn(messages, [PLAY], "required", config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert turn.stop_reason == "eos" and not turn.truncated, turn.text
+    assert turn.calls == [{"name": "play", "arguments": {"rounds": 3, "board": [0, 0, 0]}}]
+    assert turn.stats.closed_at_end == 1 and fmt.parse(turn.text)[0] == turn.calls  # a complete turn's text
+    res = Agent(engine, [PLAY]).run(messages, tool_choice="required", max_new_tokens=120, max_steps=1)
+    assert not res.truncated and [c.arguments for c in res.pending_calls] == [{"rounds": 3, "board": [0, 0, 0]}]
+
+    kept = engine.turn(messages, [PLAY], "required",
+                       config=EngineConfig(drafter=drafter, max_new_tokens=120, close_at_model_end=False))
+    assert kept.stop_reason == "length" and kept.calls is None and kept.stats.closed_at_end == 0
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_a_call_the_models_end_leaves_invalid_is_dropped_as_a_cut_one(smol_dir, drafter):
+    """Closed where the model ended, the call would lack a required argument: it is never returned (as a turn cut
+    by the budget), and the complete calls before it are."""
+    text = call_text("hermes", [("get_weather", OSLO)]) + "\n" + play_text("hermes", '{"rounds": 3')
+    fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo, then play."}], [WEATHER, PLAY], "required",
+                                 config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert turn.stop_reason == "length" and turn.truncated and turn.stats.closed_at_end == 0
+    assert turn.calls == [{"name": "get_weather", "arguments": OSLO}]
+
+
+def test_the_models_end_stops_every_decode_path_at_the_same_position(smol_dir):
+    """``end_when`` is asked where the model's unmasked argmax is an end token the grammar forbids; one token per
+    forward and a speculative window drafted past that position stop before it alike (``"masked_end"``), and
+    without ``end_when`` both go on alike."""
+    from constraints import allowed_tokens
+    from decoding.decoder import decode
+    from decoding.drafters import Drafter
+    from decoding.speculative import speculative_decode
+
+    head = play_text("hermes", '{"rounds": 3, "board": [0, 0')
+    fmt, gen = scripted(smol_dir, "hermes", head, "<|endoftext|>")
+    script, eos = gen.loaded.script, frozenset(gen.eog_token_ids)
+    prompt = gen.tokenizer.encode("Play.", add_special_tokens=False)
+    grammar = fmt.turn_grammar([PLAY], "required")
+
+    class Oracle(Drafter):
+        """Drafts what the scripted target's masked argmax will be: past the end it keeps drafting."""
+        name = "oracle"
+
+        def propose(self, tokens, state, bitmask_row, sampling, generator):
+            pos = len(tokens) - len(prompt)
+            if pos < len(script) and script[pos] not in eos:
+                return script[pos], None
+            return int(allowed_tokens(bitmask_row, gen.loaded.vocab_size)[0]), None
+
+    asked = []
+
+    def end_when(tokens):
+        asked.append(len(tokens))
+        return True
+
+    ref = decode(ScriptedLM(gen.loaded), prompt, gen.new_state(grammar), max_new_tokens=60, end_when=end_when)
+    spec = speculative_decode(ScriptedLM(gen.loaded), prompt, gen.new_state(grammar), Oracle(), num_draft_tokens=8,
+                              max_new_tokens=60, end_when=end_when)
+    assert ref.stop_reason == spec.stop_reason == "masked_end" and ref.truncated
+    assert ref.tokens == spec.tokens == script[:-1] and asked == [len(script) - 1] * 2
+    assert spec.stats.target_forwards < ref.stats.target_forwards
+    ref = decode(ScriptedLM(gen.loaded), prompt, gen.new_state(grammar), max_new_tokens=60)
+    spec = speculative_decode(ScriptedLM(gen.loaded), prompt, gen.new_state(grammar), Oracle(), num_draft_tokens=8,
+                              max_new_tokens=60)
+    assert ref.tokens == spec.tokens and len(ref.tokens) > len(script)
+
+
+def test_server_closes_a_call_where_the_model_ends_it_and_takes_the_request_field(smol_dir):
+    fmt, gen = scripted(smol_dir, "hermes", play_text("hermes", '{"rounds": 3, "board": [0, 0'), "<|endoftext|>")
+    kwargs = dict(model="scripted", messages=[{"role": "user", "content": "Play 3 rounds."}],
+                  tools=[{"type": "function", "function": {"name": PLAY.name, "description": PLAY.description,
+                                                           "parameters": PLAY.parameters}}],
+                  tool_choice="required", max_tokens=60)
+    with ServerThread(create_app(LocalEngine(gen), model_name="scripted")) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        closed = client.chat.completions.create(**kwargs).choices[0]
+        kept = client.chat.completions.create(**kwargs, extra_body={"close_at_model_end": False}).choices[0]
+        with pytest.raises(openai.BadRequestError, match="close_at_model_end"):
+            client.chat.completions.create(**kwargs, extra_body={"close_at_model_end": "yes"})
+    assert closed.finish_reason == "tool_calls"
+    assert json.loads(closed.message.tool_calls[0].function.arguments) == {"rounds": 3, "board": [0, 0]}
+    assert kept.finish_reason == "length" and not kept.message.tool_calls

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from constraints import Grammar, lark_grammar, lark_json, schema_compiles
 from schemas import Tool, call_schema, narrow_for_grammar
@@ -140,6 +140,46 @@ class ToolFormat:
         closed where the layout needs it. Default: ``text[:end]``."""
         return text[:end]
 
+    def open_call(self, text: str) -> int | None:
+        """The offset in a call turn's ``text`` where the call being written starts (its marker or its object),
+        or None when no call is open: the text is not a call turn, or it holds only whole calls (and whitespace).
+        Uses :meth:`is_call` and :meth:`complete_calls`."""
+        if not self.is_call(text):
+            return None
+        whole = self.complete_calls(text)
+        rest = text[whole[-1][1] if whole else 0:]
+        body = rest.lstrip()
+        if not body:
+            return None
+        return len(text) - len(body)
+
+    def closed_turns(self, text: str) -> Iterator[tuple[str, list[dict]]]:
+        """Ways to end a call turn whose last call is open (the model asked to end inside it): ``[(turn text,
+        calls)]``, longest first, each the text up to a point of the open call where its JSON value can be closed
+        (:func:`json_closings`) with the brackets, braces and quote it lacks, then closed as the layout needs
+        (:meth:`call_close`, :meth:`calls_text`); ``calls`` are the turn's whole calls, the closed one last. None
+        validated against a schema (the caller does that). Nothing when no call is open or none closes."""
+        start = self.open_call(text)
+        obj = -1 if start is None else text.find("{", start)
+        if obj < 0:
+            return
+        n_whole = len(self.complete_calls(text))
+        for closed in json_closings(text[obj:]):
+            candidate = text[:obj] + closed
+            for suffix in dict.fromkeys((self.call_close(text[start:]), "")):
+                try:
+                    calls = self.complete_calls(candidate + suffix)
+                except (ValueError, KeyError, TypeError):  # a layout's parser on a call without its keys
+                    continue
+                if len(calls) == n_whole + 1:
+                    yield self.calls_text(candidate + suffix, calls[-1][1]), [c for c, _ in calls]
+                    break
+
+    def call_close(self, open_call: str) -> str:
+        """What closes the layout around one call object, given the open call's text from its start (hermes: the
+        ``</tool_call>`` of a marked block). Default ``""``."""
+        return ""
+
     # -- what the subclasses fill in ------------------------------------------------------------------------------
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
         """The Lark body of ``calls`` in terms of the ``call`` rule (one call object)."""
@@ -210,6 +250,69 @@ class ToolFormat:
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)
         return ids
+
+
+def json_closings(text: str) -> list[str]:
+    """Complete JSON values made from a JSON value cut short (``text`` starts with ``{`` or ``[``): each is the text
+    up to a point where every value before it is whole — just after an opening bracket or brace, before a ``,``,
+    after a closed value, or at the end inside a string value (closed with ``"``) or after a whole number or literal
+    — followed by the ``]``, ``}`` it lacks. Longest first; each parses with ``json.loads``."""
+    stack: list[str] = []  # open containers: "{" or "["
+    expect_key: list[bool] = []  # per open object: a key comes next (after "{" or ",")
+    points: list[tuple[int, str]] = []  # (cut offset, closers)
+    in_str = esc = is_key = False
+
+    def closers() -> str:
+        return "".join("}" if c == "{" else "]" for c in reversed(stack))
+
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if not is_key:
+                    points.append((i + 1, closers()))
+            continue
+        if ch == '"':
+            in_str, is_key = True, bool(stack) and stack[-1] == "{" and expect_key[-1]
+        elif ch in "{[":
+            stack.append(ch)
+            expect_key.append(ch == "{")
+            points.append((i + 1, closers()))
+        elif ch in "}]":
+            if not stack:
+                break
+            stack.pop()
+            expect_key.pop()
+            points.append((i + 1, closers()))
+            if not stack:
+                break
+        elif ch == ",":
+            points.append((i, closers()))
+            if stack and stack[-1] == "{":
+                expect_key[-1] = True
+        elif ch == ":":
+            if stack and stack[-1] == "{":
+                expect_key[-1] = False
+    tail: list[str] = []
+    if in_str and not is_key and not esc:
+        tail.append(text + '"' + closers())
+    elif not in_str:
+        tail.append(text.rstrip() + closers())  # a whole number or literal at the end
+    out, seen = [], set()
+    for candidate in tail + [text[:i] + c for i, c in reversed(points)]:
+        if candidate in seen:
+            continue
+        seen.add(candidate)
+        try:
+            json.loads(candidate)
+        except ValueError:
+            continue
+        out.append(candidate)
+    return out
 
 
 def answer_text_regex(excluded: tuple[str, ...] | list[str]) -> str:

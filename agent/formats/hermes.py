@@ -79,6 +79,9 @@ class HermesFormat(ToolFormat):
     def call_prefixes(self) -> tuple[str, ...]:
         return "<", "{"
 
+    def call_close(self, open_call: str) -> str:
+        return "\n" + CLOSE if open_call.startswith(OPEN) else ""
+
     def is_call(self, text: str) -> bool:
         s = text.lstrip()
         return s.startswith(OPEN) or s.startswith('{"name"')
