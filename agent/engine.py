@@ -57,12 +57,14 @@ class EngineConfig:
             the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
-            is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish), the decode
-            stops there and the call is closed at its last point where its value can be closed and its arguments
-            validate (:meth:`agent.formats.ToolFormat.closed_turns`); the turn ends with its whole calls, the
-            closed one last (``stats.closed_at_end``). Where no closed call validates, the call is dropped as a
-            budget cut drops it (``stop_reason == "length"``). On by default; False: the grammar keeps the model
-            writing until the call is whole or the budget cuts it.
+            is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish) and the
+            call can be closed there into a valid one — cut at its last point where its JSON value can be closed,
+            the missing quote, brackets and the layout's close added, its arguments validating against the tool's
+            schema (:meth:`agent.formats.ToolFormat.closed_turns`) — the decode stops there and the turn ends with
+            its whole calls, the closed one last (``stats.closed_at_end``). Where no closing validates (a required
+            argument not yet written) the model's end stays masked and it goes on writing, as without the rule.
+            On by default; False: the grammar keeps the model writing until the call is whole or the budget cuts
+            it.
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -133,8 +135,8 @@ class DecodedTurn:
         is_call: the turn opened a tool call (also when it was cut: ``calls`` is then None).
         stop_reason: ``eos`` (the model ended; also where it asked to end inside a call the engine then closed:
             ``EngineConfig.close_at_model_end``), ``grammar`` (nothing else allowed, or the budget ran out where the
-            grammar accepts a turn of calls: every call is whole), ``length`` (budget reached mid-output, or the
-            model ended inside a call that no closing made valid), ``stop`` (a stop sequence).
+            grammar accepts a turn of calls: every call is whole), ``length`` (budget reached mid-output),
+            ``stop`` (a stop sequence).
         stats: decode statistics (a remote engine fills what the server reports).
         drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
     """
@@ -304,13 +306,20 @@ class LocalEngine:
         masked = parallel_tool_calls is True and self.format.counts_calls
         end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
                                     context=conversation_text(messages) if masked else None) if parallel else None
-        # the model asks to end inside a call it is writing: stop there (closed below)
-        end_when = (lambda text: self.format.open_call(text) is not None) \
-            if config.close_at_model_end and allowed and mode != "none" else None
+        # the model asks to end inside a call it is writing: stop there where the call closes into a valid one
+        closings: dict[str, str] = {}
+
+        def end_when(text: str) -> bool:
+            closed = self._close(text, allowed)
+            if closed is not None:
+                closings[text] = closed
+            return closed is not None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, window=config.window, on_text=on_text,
-                                      stop_when=end_rule, end_when=end_when)
+                                      stop_when=end_rule,
+                                      end_when=end_when if config.close_at_model_end and allowed and mode != "none"
+                                      else None)
         if end_rule is not None and end_rule.text is None:
             end_rule(out.text)  # the last step's text may not have been checked (it ended inside a character)
         text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text
@@ -319,8 +328,8 @@ class LocalEngine:
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
             self.format.is_call(text) or text.startswith(self.call_prefixes))))
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
-        if stop == "masked_end":  # the model ended inside its last call: close it where its arguments validate
-            closed = self._close(text, allowed) if is_call else None
+        if stop == "masked_end":  # the model ended inside its last call, where it closes into a valid one
+            closed = closings.get(text) or (self._close(text, allowed) if is_call else None)
             if closed is not None:
                 text, stop = closed, "eos"
                 out.stats.closed_at_end += 1

@@ -273,3 +273,32 @@ def test_server_max_batch_streams_concurrent_requests_equal_to_serial_and_refuse
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 1100}],
                                            tools=tools)
         assert e.value.body["param"] == "messages"
+
+
+def test_the_models_end_stops_a_batched_sequence_where_it_stops_alone(cpp, questions, references):
+    """``end_when`` (the model's end where the grammar forbids it: ``Generator.generate``) stops a sequence decoded
+    with others at the token where it stops decoded alone; the others are untouched."""
+    from constraints import regex_grammar
+
+    gen = Generator(cpp)
+    text = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with yes or no: is the sky blue?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    ids = gen.tokenizer.encode(text, add_special_tokens=False)
+    grammar = regex_grammar("[a-zA-Z ,.!]{20,60}")  # the model ends after "No." (3 tokens); the grammar forbids it
+    asked = []
+
+    def end_when(text: str) -> bool:
+        asked.append(text)
+        return True
+
+    gen.new_target().reset()
+    ref = gen.generate(ids, grammar, drafter="lookup", max_new_tokens=40, end_when=end_when)
+    assert ref.stop_reason == "masked_end" and len(asked) == 1 and ref.text == asked[0] and len(ref.tokens) < 20
+    gen.enable_batching(3, seq_ctx=1024)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(lambda r: decode_bfcl(gen, r, "lookup", max_new_tokens=64)[1], row)
+                  for row in questions[:2]]
+        out = gen.generate(ids, grammar, drafter="lookup", max_new_tokens=40, end_when=end_when)
+        others = [f.result() for f in others]
+    assert out.stop_reason == "masked_end" and out.tokens == ref.tokens and asked[1] == asked[0]
+    assert [o.tokens for o in others] == [r.tokens for r in references[:2]]

@@ -425,15 +425,19 @@ def test_the_models_end_inside_a_call_closes_the_call_there(smol_dir, name, draf
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup"])
-def test_a_call_the_models_end_leaves_invalid_is_dropped_as_a_cut_one(smol_dir, drafter):
-    """Closed where the model ended, the call would lack a required argument: it is never returned (as a turn cut
-    by the budget), and the complete calls before it are."""
+def test_the_models_end_where_no_closing_validates_leaves_the_model_writing(smol_dir, drafter):
+    """Closed where the model first asks to end, the call would lack a required argument: its end stays masked and
+    the model goes on (past its script, its ties go to the lowest allowed token) until the call closes into a
+    valid one; the whole call before it is kept."""
     text = call_text("hermes", [("get_weather", OSLO)]) + "\n" + play_text("hermes", '{"rounds": 3')
     fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
     turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo, then play."}], [WEATHER, PLAY], "required",
                                  config=EngineConfig(drafter=drafter, max_new_tokens=120))
-    assert turn.stop_reason == "length" and turn.truncated and turn.stats.closed_at_end == 0
-    assert turn.calls == [{"name": "get_weather", "arguments": OSLO}]
+    assert turn.stop_reason == "eos" and turn.stats.closed_at_end == 1, turn.text
+    assert turn.text.startswith(text + ", ") and fmt.parse(turn.text)[0] == turn.calls
+    assert turn.calls[0] == {"name": "get_weather", "arguments": OSLO}
+    assert turn.calls[1]["name"] == "play" and turn.calls[1]["arguments"]["rounds"] == 3
+    PLAY.validate(turn.calls[1]["arguments"])
 
 
 def test_the_models_end_stops_every_decode_path_at_the_same_position(smol_dir):
