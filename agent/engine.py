@@ -12,6 +12,7 @@ and structured output the grammar admits validates; greedy output is token-ident
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -27,6 +28,7 @@ from .tool_choice import filter_tools
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 DEFAULT_MAX_PARALLEL_CALLS = 8  # calls one several-call turn may return (EngineConfig.max_parallel_calls)
 DEFAULT_GROUNDING_RETRIES = 2  # decodes again of a turn whose calls take nothing from the conversation
+CLOSINGS_TRIED = 8  # closing points of a call the model asks to end inside, tried from its last (LocalEngine._close)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,10 @@ class DecodedTurn:
     """One assistant turn as an engine produced it (calls parsed, not yet validated against the schemas).
 
     Attributes:
-        text: the turn's text exactly as decoded (local: the tool-call text too; remote: the message content).
+        text: the turn's text exactly as decoded (local: the tool-call text too; remote: the message content); where
+            the engine closed a call at the model's end (``EngineConfig.close_at_model_end``), the decoded text up
+            to the closing point and then the closing the engine wrote (not streamed: ``on_text`` saw the decoded
+            text only).
         calls: ``[{"name", "arguments", "id"?}]`` when the turn is a complete tool-call turn, else None.
             ``arguments`` is a dict, or a JSON string as a server sent it.
         is_call: the turn opened a tool call (also when it was cut: ``calls`` is then None).
@@ -333,6 +338,8 @@ class LocalEngine:
             if closed is not None:
                 text, stop = closed, "eos"
                 out.stats.closed_at_end += 1
+                if end_rule is not None and end_rule(text):  # the several-call rules judge the closed call too
+                    text, stop = end_rule.text, "stop"
             else:
                 stop = "length"  # as a budget cut: the whole calls before it, never the open one
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
@@ -392,10 +399,11 @@ class LocalEngine:
         return self.format.render(messages, list(tools)), grammar, allowed, mode
 
     def _close(self, text: str, allowed: list[Tool]) -> str | None:
-        """The longest of :meth:`ToolFormat.closed_turns` of ``text`` whose closed call names a callable tool and
-        whose arguments validate against its schema (None: none does)."""
+        """The longest of the first :data:`CLOSINGS_TRIED` :meth:`ToolFormat.closed_turns` of ``text`` whose closed
+        call names a callable tool and whose arguments validate against its schema (None: none does; the model then
+        goes on writing, so a long call cannot make every masked end cost a validation per element)."""
         tools = {t.name: t for t in allowed}
-        for turn, calls in self.format.closed_turns(text):
+        for turn, calls in itertools.islice(self.format.closed_turns(text), CLOSINGS_TRIED):
             tool = tools.get(calls[-1].get("name"))
             if tool is None:
                 continue

@@ -498,3 +498,49 @@ def test_server_closes_a_call_where_the_model_ends_it_and_takes_the_request_fiel
     assert closed.finish_reason == "tool_calls"
     assert json.loads(closed.message.tool_calls[0].function.arguments) == {"rounds": 3, "board": [0, 0]}
     assert kept.finish_reason == "length" and not kept.message.tool_calls
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_a_call_closed_at_the_models_end_is_judged_by_the_several_call_rules(smol_dir, drafter):
+    """The closed call repeats the call before it: the repeat rule drops it, as for a call the model finished."""
+    text = call_text("hermes", [("get_weather", OSLO)]) + "\n" + \
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"'
+    fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo?"}], [WEATHER], "required",
+                                 config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert turn.stop_reason == "stop" and turn.calls == [{"name": "get_weather", "arguments": OSLO}], turn.text
+
+
+def test_a_string_being_written_is_never_closed(smol_dir):
+    """``"city": "Ro`` and the model's end: a closing would keep ``"Ro"``, a value the model never finished; the
+    required city leaves no other closing, so the model goes on writing it."""
+    fmt, gen = scripted(smol_dir, "hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro',
+                        "<|endoftext|>")
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Rome?"}], [WEATHER], "required",
+                                 config=EngineConfig(drafter="none", max_new_tokens=120))
+    city = turn.calls[0]["arguments"]["city"]
+    assert city.startswith("Ro") and city != "Ro" and turn.stop_reason == "eos", turn.text
+    WEATHER.validate(turn.calls[0]["arguments"])
+
+
+def test_closing_tries_a_bounded_number_of_points():
+    """A runaway list before a required argument: no closing validates, and only the last ``CLOSINGS_TRIED``
+    closing points are tried (each masked end of a long call would otherwise validate every element's prefix)."""
+    from agent import engine as engine_module
+
+    fmt = make_format(None, "hermes")
+    text = '<tool_call>\n{"name": "play", "arguments": {"board": [' + ", ".join(["0"] * 5000)
+    tried = []
+    validate = PLAY.validate
+
+    class Counting:
+        name = PLAY.name
+
+        def validate(self, arguments):
+            tried.append(1)
+            return validate(arguments)
+
+    eng = engine_module.LocalEngine.__new__(engine_module.LocalEngine)
+    eng.format = fmt
+    assert eng._close(text, [Counting()]) is None
+    assert len(tried) == engine_module.CLOSINGS_TRIED

@@ -154,11 +154,12 @@ class ToolFormat:
         return len(text) - len(body)
 
     def closed_turns(self, text: str) -> Iterator[tuple[str, list[dict]]]:
-        """Ways to end a call turn whose last call is open (the model asked to end inside it): ``[(turn text,
-        calls)]``, longest first, each the text up to a point of the open call where its JSON value can be closed
-        (:func:`json_closings`) with the brackets, braces and quote it lacks, then closed as the layout needs
-        (:meth:`call_close`, :meth:`calls_text`); ``calls`` are the turn's whole calls, the closed one last. None
-        validated against a schema (the caller does that). Nothing when no call is open or none closes."""
+        """Ways to end a call turn whose last call is open (the model asked to end inside it): ``(turn text,
+        calls)`` pairs, longest first, lazily, each the text up to a point of the open call where its JSON value
+        can be closed (:func:`json_closings`: only values the text finished are kept) with the brackets and braces
+        it lacks, then closed as the layout needs (:meth:`call_close`, :meth:`calls_text`); ``calls`` are the
+        turn's whole calls, the closed one last. None validated against a schema (the caller does that). Nothing
+        when no call is open or none closes."""
         start = self.open_call(text)
         obj = -1 if start is None else text.find("{", start)
         if obj < 0:
@@ -252,11 +253,13 @@ class ToolFormat:
         return ids
 
 
-def json_closings(text: str) -> list[str]:
-    """Complete JSON values made from a JSON value cut short (``text`` starts with ``{`` or ``[``): each is the text
-    up to a point where every value before it is whole — just after an opening bracket or brace, before a ``,``,
-    after a closed value, or at the end inside a string value (closed with ``"``) or after a whole number or literal
-    — followed by the ``]``, ``}`` it lacks. Longest first; each parses with ``json.loads``."""
+def json_closings(text: str) -> Iterator[str]:
+    """Complete JSON values made from a JSON value cut short (``text`` starts with ``{`` or ``[``), keeping only
+    values the text finished: each is the text up to just after an opening bracket or brace, before a ``,``, or
+    just after a closed string value, array or object, or at the end after a number or literal (where the model
+    asked to end, it did not mean to write more digits), followed by the ``]``, ``}`` it lacks. A string still
+    being written at the end is never closed (``"San Fr"`` is no value the model wrote), nor is a key without its
+    value. Longest first, lazily; each parses with ``json.loads``."""
     stack: list[str] = []  # open containers: "{" or "["
     expect_key: list[bool] = []  # per open object: a key comes next (after "{" or ",")
     points: list[tuple[int, str]] = []  # (cut offset, closers)
@@ -297,13 +300,11 @@ def json_closings(text: str) -> list[str]:
         elif ch == ":":
             if stack and stack[-1] == "{":
                 expect_key[-1] = False
-    tail: list[str] = []
-    if in_str and not is_key and not esc:
-        tail.append(text + '"' + closers())
-    elif not in_str:
-        tail.append(text.rstrip() + closers())  # a whole number or literal at the end
-    out, seen = [], set()
-    for candidate in tail + [text[:i] + c for i, c in reversed(points)]:
+    if not in_str:  # a number or literal at the end, after which the model asked to end: whole, if it parses
+        points.append((len(text.rstrip()), closers()))
+    seen = set()
+    for i, c in reversed(points):
+        candidate = text[:i] + c
         if candidate in seen:
             continue
         seen.add(candidate)
@@ -311,8 +312,7 @@ def json_closings(text: str) -> list[str]:
             json.loads(candidate)
         except ValueError:
             continue
-        out.append(candidate)
-    return out
+        yield candidate
 
 
 def answer_text_regex(excluded: tuple[str, ...] | list[str]) -> str:
