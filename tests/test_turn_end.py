@@ -544,3 +544,18 @@ def test_closing_tries_a_bounded_number_of_points():
     eng.format = fmt
     assert eng._close(text, [Counting()]) is None
     assert len(tried) == engine_module.CLOSINGS_TRIED
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_the_models_end_after_a_whole_call_closes_an_open_layout(smol_dir, drafter):
+    """generic: ``<tool_call>[{call}`` and the model's end: the grammar wants ``]</tool_call>`` (or another call);
+    the turn ends with the call, the layout closed. hermes after ``</tool_call>`` needs no closing, so its masked
+    end between calls of a several-call turn is never asked to end it."""
+    fmt, gen = scripted(smol_dir, "generic", call_text("generic", [("get_weather", OSLO)])[:-len("]</tool_call>")],
+                        "<|endoftext|>")
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo?"}], [WEATHER], "required",
+                                 config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert turn.stop_reason == "eos" and turn.calls == [{"name": "get_weather", "arguments": OSLO}], turn.text
+    assert turn.text == call_text("generic", [("get_weather", OSLO)]) and turn.stats.closed_at_end == 1
+    hermes = make_format(None, "hermes")
+    assert list(hermes.closed_turns(call_text("hermes", [("get_weather", OSLO)]) + "\n")) == []

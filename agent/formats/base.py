@@ -158,11 +158,16 @@ class ToolFormat:
         calls)`` pairs, longest first, lazily, each the text up to a point of the open call where its JSON value
         can be closed (:func:`json_closings`: only values the text finished are kept) with the brackets and braces
         it lacks, then closed as the layout needs (:meth:`call_close`, :meth:`calls_text`); ``calls`` are the
-        turn's whole calls, the closed one last. None validated against a schema (the caller does that). Nothing
-        when no call is open or none closes."""
+        turn's whole calls, the closed one last. Where no call object is begun (only whole calls, perhaps a
+        separator after them) and the layout still needs closing after them (generic's ``]</tool_call>``), the one
+        way is those calls, closed. None validated against a schema (the caller does that). Nothing when no
+        closing exists."""
         start = self.open_call(text)
         obj = -1 if start is None else text.find("{", start)
-        if obj < 0:
+        if obj < 0:  # no call object begun: the whole calls, where the layout still needs closing after them
+            whole = self.complete_calls(text) if self.is_call(text) else []
+            if whole and (turn := self.calls_text(text, whole[-1][1])) != text[:whole[-1][1]]:
+                yield turn, [c for c, _ in whole]  # generic: "]</tool_call>" after its last whole call
             return
         n_whole = len(self.complete_calls(text))
         for closed in json_closings(text[obj:]):
