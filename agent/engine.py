@@ -312,12 +312,12 @@ class LocalEngine:
         end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
                                     context=conversation_text(messages) if masked else None) if parallel else None
         # the model asks to end inside a call it is writing: stop there where the call closes into a valid one
-        closings: dict[str, str] = {}
+        closings: list[str] = []  # the closing found where end_when stopped the decode (its last answer)
 
         def end_when(text: str) -> bool:
             closed = self._close(text, allowed)
             if closed is not None:
-                closings[text] = closed
+                closings.append(closed)
             return closed is not None
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
@@ -333,15 +333,11 @@ class LocalEngine:
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
             self.format.is_call(text) or text.startswith(self.call_prefixes))))
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
-        if stop == "masked_end":  # the model ended inside its last call, where it closes into a valid one
-            closed = closings.get(text) or (self._close(text, allowed) if is_call else None)
-            if closed is not None:
-                text, stop = closed, "eos"
-                out.stats.closed_at_end += 1
-                if end_rule is not None and end_rule(text):  # the several-call rules judge the closed call too
-                    text, stop = end_rule.text, "stop"
-            else:
-                stop = "length"  # as a budget cut: the whole calls before it, never the open one
+        if stop == "masked_end":  # end_when stopped the decode where the open call closes into a valid one
+            text, stop = closings[-1], "eos"
+            out.stats.closed_at_end += 1
+            if end_rule is not None and end_rule(text):  # the several-call rules judge the closed call too
+                text, stop = end_rule.text, "stop"
         if stop == "length" and is_call and self._accepts(grammar, out.tokens):
             stop = "grammar"  # every call is whole (another could have followed): nothing was cut
         if stop == "length" and config.count_masked_ends:

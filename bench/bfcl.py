@@ -472,8 +472,8 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         ``IRRELEVANCE_MAX_NEW_TOKENS``, text answers included); ``cut_masked_end`` = of those, the turns where
         the model's argmax was an end-of-generation token the grammar forbade (None: not counted, i.e. the agents'
         ``EngineConfig.count_masked_ends`` is off, or no grammar); ``closed_at_end`` = turns whose last call the
-        engine closed where the model asked to end inside it (``EngineConfig.close_at_model_end``); ``checker`` = ``"official"`` (BFCL's
-        ``ast_checker``, ``bench/bfcl_checker.py``) or ``"ours"`` (:func:`score`, when bfcl-eval is not installed);
+        engine closed where the model asked to end inside it (``EngineConfig.close_at_model_end``);
+        ``checker`` = ``"official"`` (BFCL's ``ast_checker``, ``bench/bfcl_checker.py``) or ``"ours"`` (:func:`score`, when bfcl-eval is not installed);
         ``runtime`` and ``parser`` (how calls were read from the text); ``time_to_valid_call_{cold,warm}_p{50,95}``
         (s): prefill + decode of the turn, over the questions answered with valid calls: *warm* where the previous
         question had the same tools (the system prompt and tool list come from the prefix cache), *cold* otherwise
@@ -511,7 +511,7 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
         text = res.raw_turns[-1] if res.raw_turns else ""
         n_truncated += res.truncated
         cut_masked_end += bool(res.truncated and res.stats.masked_end_argmax)
-        n_closed += bool(getattr(res.stats, "closed_at_end", 0))
+        n_closed += bool(res.stats.closed_at_end)
         # the calls the agent returned (BFCL's tools are call-only: pending), as its grounding rules left them
         returned = [{"name": c.name, "arguments": c.arguments} for c in getattr(res, "pending_calls", None) or []]
         valid, correct = turn.judge(text, res.truncated, agent.registry, agent.format, returned or None)
@@ -549,12 +549,14 @@ def run_bfcl(agent_factory, category: str, *, limit: int | None = None, data_dir
 def summary_table(summaries: list[dict]) -> str:
     """A Markdown table of per-category summaries (accuracy, valid, cut by the budget, tokens/s), one row per
     category and runtime (ours vs parse-only side by side when both ran), and the checker that scored them."""
-    lines = ["| category | runtime | split | n | accuracy | valid | cut | cut, end masked | closed at the model's end "
-             "| tokens/s | valid call p50 s cold / warm | checker |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns = ["category", "runtime", "split", "n", "accuracy", "valid", "cut", "cut, end masked",
+               "closed at the model's end", "tokens/s", "valid call p50 s cold / warm", "checker"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for s in summaries:
         runtime = s.get("runtime", "ours")
         if "error" in s:
-            lines.append(f"| {s['category']} | {runtime} | {s['split']} | – | – | – | – | – | – | – | – | {s['error']} |")
+            lines.append(f"| {s['category']} | {runtime} | {s['split']} | " + "– | " * (len(columns) - 4)
+                         + f"{s['error']} |")
             continue
         lines.append(f"| {s['category']} | {runtime} | {s['split']} | {s['n']} | {s['accuracy']:.3f} | "
                      f"{s['valid']:.3f} | {s['truncated']} | {_or_dash(s.get('cut_masked_end'))} | "

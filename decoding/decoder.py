@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row
+from constraints import ConstraintState, allocate_bitmask, apply_bitmask, is_allowed_row, single_allowed
 
 from .backends import TargetModel
 from .sampling import SamplingParams, pick
@@ -37,16 +37,8 @@ def masked_end_rows(logits: torch.Tensor, rows: list[int] | None, bitmask: torch
     rows = list(range(logits.shape[0])) if rows is None else rows
     argmax = logits[:len(rows)].argmax(dim=-1).tolist()
     return [r for r, tok in zip(rows, argmax)
-            if tok in eos and not is_allowed_row(bitmask[r], tok) and _allows_several(bitmask[r])]
-
-
-def _allows_several(bitmask_row: torch.Tensor) -> bool:
-    """Whether the ``int32 [W]`` row allows two tokens or more."""
-    nz = torch.nonzero(bitmask_row).flatten()
-    if nz.numel() != 1:
-        return nz.numel() > 1
-    value = int(bitmask_row[int(nz[0])]) & 0xFFFFFFFF
-    return bool(value & (value - 1))
+            if tok in eos and not is_allowed_row(bitmask[r], tok)
+            and bool(bitmask[r].any()) and single_allowed(bitmask[r]) is None]  # two tokens or more allowed
 
 
 def prefill(target: TargetModel, prompt: list[int], stats: DecodeStats, *, hidden: bool = False):

@@ -135,9 +135,7 @@ def verify_end_rows(logits: torch.Tensor, needed: list[int] | None, n_rows: int,
     """:func:`decoding.decoder.masked_end_rows` of a verify's unmasked rows (``logits`` and ``needed`` as
     :func:`verify_logits` takes them): the rows below ``n_rows`` where the model asks to end and the mask forbids
     it (rows whose LM head was skipped are forced, so never listed)."""
-    rows = list(range(n_rows)) if needed is None else needed
-    keep = [i for i, r in enumerate(rows) if r < n_rows]
-    return masked_end_rows(logits[keep], [rows[i] for i in keep], bitmask, eos)
+    return masked_end_rows(logits, list(range(n_rows)) if needed is None else needed, bitmask, eos)
 
 
 def verify_inputs(cur: int, draft: Draft) -> tuple[list[int], list[int] | None, int]:

@@ -140,21 +140,9 @@ class ToolFormat:
         closed where the layout needs it. Default: ``text[:end]``."""
         return text[:end]
 
-    def open_call(self, text: str) -> int | None:
-        """The offset in a call turn's ``text`` where the call being written starts (its marker or its object),
-        or None when no call is open: the text is not a call turn, or it holds only whole calls (and whitespace).
-        Uses :meth:`is_call` and :meth:`complete_calls`."""
-        if not self.is_call(text):
-            return None
-        whole = self.complete_calls(text)
-        rest = text[whole[-1][1] if whole else 0:]
-        body = rest.lstrip()
-        if not body:
-            return None
-        return len(text) - len(body)
-
     def closed_turns(self, text: str) -> Iterator[tuple[str, list[dict]]]:
-        """Ways to end a call turn whose last call is open (the model asked to end inside it): ``(turn text,
+        """Ways to end a call turn whose last call is open (the model asked to end inside it; open: after the
+        whole calls of :meth:`complete_calls`, text other than whitespace): ``(turn text,
         calls)`` pairs, longest first, lazily, each the text up to a point of the open call where its JSON value
         can be closed (:func:`json_closings`: only values the text finished are kept) with the brackets and braces
         it lacks, then closed as the layout needs (:meth:`call_close`, :meth:`calls_text`); ``calls`` are the
@@ -162,22 +150,26 @@ class ToolFormat:
         separator after them) and the layout still needs closing after them (generic's ``]</tool_call>``), the one
         way is those calls, closed. None validated against a schema (the caller does that). Nothing when no
         closing exists."""
-        start = self.open_call(text)
-        obj = -1 if start is None else text.find("{", start)
+        if not self.is_call(text):
+            return
+        whole = self.complete_calls(text)
+        end = whole[-1][1] if whole else 0
+        body = text[end:].lstrip()  # the call being written, from its marker or object ("" : none is open)
+        start = len(text) - len(body)
+        obj = text.find("{", start) if body else -1
         if obj < 0:  # no call object begun: the whole calls, where the layout still needs closing after them
-            whole = self.complete_calls(text) if self.is_call(text) else []
-            if whole and (turn := self.calls_text(text, whole[-1][1])) != text[:whole[-1][1]]:
+            if whole and (turn := self.calls_text(text, end)) != text[:end]:
                 yield turn, [c for c, _ in whole]  # generic: "]</tool_call>" after its last whole call
             return
-        n_whole = len(self.complete_calls(text))
+        suffixes = dict.fromkeys((self.call_close(body), ""))
         for closed in json_closings(text[obj:]):
             candidate = text[:obj] + closed
-            for suffix in dict.fromkeys((self.call_close(text[start:]), "")):
+            for suffix in suffixes:
                 try:
                     calls = self.complete_calls(candidate + suffix)
                 except (ValueError, KeyError, TypeError):  # a layout's parser on a call without its keys
                     continue
-                if len(calls) == n_whole + 1:
+                if len(calls) == len(whole) + 1:
                     yield self.calls_text(candidate + suffix, calls[-1][1]), [c for c, _ in calls]
                     break
 
