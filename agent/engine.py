@@ -329,9 +329,12 @@ class LocalEngine:
             end_rule(out.text)  # the last step's text may not have been checked (it ended inside a character)
         text = end_rule.text if end_rule is not None and end_rule.text is not None else out.text
         # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
-        # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer
-        is_call = bool(allowed) and (mode == "required" or (mode == "auto" and (
-            self.format.is_call(text) or text.startswith(self.call_prefixes))))
+        # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer; but a structured
+        # answer (response_format) is JSON too: whole, it is a call only where it reads as this format's calls
+        opens_call = self.format.is_call(text) or text.startswith(self.call_prefixes)
+        if opens_call and response_format is not None and out.stop_reason != "length":
+            opens_call = self._reads_as_calls(text)
+        is_call = bool(allowed) and (mode == "required" or (mode == "auto" and opens_call))
         stop = "stop" if end_rule is not None and end_rule.text is not None else out.stop_reason  # the rule fired
         if stop == "masked_end":  # end_when stopped the decode where the open call closes into a valid one
             text, stop = closings[-1], "eos"
@@ -393,6 +396,13 @@ class LocalEngine:
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
                                            else 2, answer_opens_no_call=True if answer_only else None)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
+
+    def _reads_as_calls(self, text: str) -> bool:
+        """Whether a whole turn's ``text`` parses as one or more calls of this format."""
+        try:
+            return bool(self.format.parse(text)[0])
+        except (ValueError, KeyError, TypeError):  # a JSON answer whose keys are not a call's
+            return False
 
     def _close(self, text: str, allowed: list[Tool]) -> str | None:
         """The longest of the first :data:`CLOSINGS_TRIED` :meth:`ToolFormat.closed_turns` of ``text`` whose closed

@@ -9,7 +9,8 @@ dev split (docs/benchmarks.md, "Values from the conversation") and both off with
   applies. Qwen2.5-Coder-0.5B otherwise fills them with the description's example (``"mission": "Mission 1"``) or a
   guess (``"date_range": "2023-01-01 to 2023-01-31"`` where the question names no date).
 * **the tool choice** (:func:`takes_from_conversation`): a turn none of whose calls takes anything from the
-  conversation (each holds strings or numbers, and none of them, nor a word of them, is written there) called a
+  conversation (each holds strings or numbers, and none of them, nor a word of them, nor all the numbers of an
+  expression such as ``"17 + 25 * 3"``, is written there) called a
   tool that does not fit: ``OpenWeatherMap(location="Seoul, South Korea", api_key="YOUR_API_KEY_HERE")`` for
   "who is park ji sung". ``LocalEngine`` decodes the turn again with those tools masked out of the grammar (the
   prompt is unchanged, so its KV cache is reused); under ``tool_choice="auto"`` with no tool left, or once the
@@ -105,7 +106,9 @@ class Grounding:
 
     def mentions(self, value: Any) -> bool:
         """Whether the text writes ``value``: a number or a string of three or more characters as ``in`` reads it,
-        or one word of the string: three or more ASCII letters or digits written as a word of the text, or a run
+        a string holding two or more numbers all of which the text writes (``"17 + 25 * 3"``: short numbers are no
+        words; a lone ``"7"`` is not enough: an ID invented from "Is 7 a prime?" is not a mention), or
+        one word of the string: three or more ASCII letters or digits written as a word of the text, or a run
         of two or more non-ASCII ones (Korean, Chinese …) written anywhere in it (such scripts do not separate
         words by spaces). Booleans and null are not mentions."""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -114,6 +117,9 @@ class Grounding:
             return False
         if len(value.strip()) >= 3 and value in self:
             return True
+        numbers = [float(m.group().replace(",", "")) for m in _NUMBER.finditer(value)]
+        if len(numbers) >= 2 and all(number_key(x) in self.numbers for x in numbers):
+            return True  # "17 + 25 * 3": every number of an expression is written in the text
         for w in _WORD.findall(value.casefold()):
             if w.isascii() and len(w) >= 3 and w in self.words:
                 return True

@@ -42,6 +42,20 @@ def test_a_call_takes_from_the_conversation_when_one_string_or_number_is_mention
     assert takes_from_conversation({"name": "f", "arguments": {"verbose": True}}, g)
 
 
+def test_a_string_whose_numbers_are_all_written_is_mentioned():
+    """Short numbers are no words: ``calculate("17 + 25 * 3")`` for "What is (17 + 25) * 3?" takes from the
+    conversation (the demo's second question was decoded again without ``calculate`` before); a lone short number
+    does not (``lookup_order(order_id="7")`` for "Is 7 a prime number?")."""
+    g = Grounding("What is (17 + 25) * 3?")
+    assert g.mentions("17 + 25 * 3") and g.mentions("(17+25)*3") and g.mentions("17 - 3")
+    assert takes_from_conversation({"name": "calculate", "arguments": {"expression": "17 + 25 * 3"}}, g)
+    assert not g.mentions("17 + 26") and not g.mentions("2023-01-01") and not g.mentions("+ *")  # one not written
+    assert not g.mentions("3") and not g.mentions("Room 3")  # one number: an ID, not an expression
+    assert not takes_from_conversation({"name": "convert", "arguments": {"unit": "ft", "value": "5"}}, g)
+    assert not takes_from_conversation({"name": "lookup_order", "arguments": {"order_id": "7"}},
+                                       Grounding("Is 7 a prime number?"))
+
+
 def test_optional_arguments_the_conversation_does_not_write_are_dropped_required_ones_never():
     g = Grounding("Rewards for Fortnite on PlayStation, 3 players, sorted by date")
     params = {"type": "object", "required": ["game"], "properties": {}}

@@ -312,6 +312,25 @@ def test_hermes_takes_a_json_fence_under_auto_as_text_and_required_still_calls(s
     WEATHER.make_call(turn.calls[0]["arguments"])
 
 
+@pytest.mark.parametrize("answer", ['{"code": "print(21)"}', '{"name": "Oslo", "temp": 21}'])
+@pytest.mark.parametrize("after_results", [False, True])
+def test_a_structured_answer_beside_tools_is_an_answer_not_a_call(smol_dir, answer, after_results):
+    """``response_format`` with tools under ``auto``: the answer opens with ``{`` like a bare hermes call; it was
+    taken for a call with no calls (``Agent.run`` raised TypeError, the server sent an empty message)."""
+    fmt, gen = scripted(smol_dir, "hermes", answer, "<|im_end|>")
+    schema = {"type": "object", "properties": {"code": {"type": "string"}, "name": {"type": "string"},
+                                               "temp": {"type": "integer"}}, "additionalProperties": False}
+    messages = [{"role": "user", "content": "Weather in Oslo as JSON?"}]
+    if after_results:
+        messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps(OSLO)}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    res = Agent(gen, [WEATHER]).run(messages, response_format=schema, max_steps=1)
+    assert res.output == json.loads(answer) and not res.tool_calls and not res.pending_calls
+    turn = LocalEngine(gen).turn(messages, [WEATHER], "auto", schema, config=EngineConfig(max_new_tokens=60))
+    assert not turn.is_call and turn.calls is None and turn.text == answer
+
+
 @pytest.mark.parametrize("drafter", ["none", "lookup"])
 def test_a_call_being_written_with_an_unwritten_value_ends_the_several_call_turn_before_the_budget(smol_dir, drafter):
     """The third call's finished value "Paris" is not in the conversation: the whole call would end the turn, so the
