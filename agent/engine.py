@@ -67,6 +67,9 @@ class EngineConfig:
             argument not yet written) the model's end stays masked and it goes on writing, as without the rule.
             On by default; False: the grammar keeps the model writing until the call is whole or the budget cuts
             it.
+        stop: stop sequences (OpenAI's ``stop``): a text answer's decode ends at the step whose text holds one
+            (``stop_reason`` ``"stop"``; the text may run a few tokens past it: the caller cuts it there, as the
+            server does). Calls and structured answers are not cut.
     Raises (constructor):
         ValueError: a field is out of range, naming it.
     """
@@ -86,6 +89,7 @@ class EngineConfig:
     grounding: bool = True
     grounding_retries: int = DEFAULT_GROUNDING_RETRIES
     close_at_model_end: bool = True
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -95,9 +99,11 @@ class EngineConfig:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_parallel_calls", self.max_parallel_calls, 1)
         _check_int("grounding_retries", self.grounding_retries, 0)
-        for name in ("grounding", "close_at_model_end"):
+        for name in ("adaptive", "grounding", "close_at_model_end"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if self.max_string_length is not None:
             _check_int("max_string_length", self.max_string_length, 1)
         if self.max_decimals is not None:
@@ -319,10 +325,17 @@ class LocalEngine:
             if closed is not None:
                 closings.append(closed)
             return closed is not None
+        stop_when = end_rule
+        if config.stop and mode != "required" and response_format is None:  # a text answer ends at a stop sequence
+            def stop_when(text: str) -> bool:
+                if end_rule is not None and end_rule(text):
+                    return True
+                opens_call = bool(allowed) and (self.format.is_call(text) or text.startswith(self.call_prefixes))
+                return not opens_call and any(s in text for s in config.stop)
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, window=config.window, on_text=on_text,
-                                      stop_when=end_rule,
+                                      stop_when=stop_when,
                                       end_when=end_when if config.close_at_model_end and allowed and mode != "none"
                                       else None)
         if end_rule is not None and end_rule.text is None:

@@ -6,7 +6,11 @@ so the server answers HTTP 400 with a message a client can act on. Our own knobs
 names: ``drafter``, ``num_draft_tokens`` (at most :data:`MAX_NUM_DRAFT_TOKENS`), ``adaptive``, ``window``
 (``"cost"`` or ``"fixed"``), ``max_string_length``, ``max_decimals``, ``grounding`` (a boolean:
 ``agent.grounding``), ``close_at_model_end`` (a boolean: ``agent.engine.EngineConfig``). ``seed`` is a 64-bit
-integer. A ``tool`` message needs a ``tool_call_id`` naming a call of the assistant message before it (as OpenAI).
+integer. A ``tool`` message needs a ``tool_call_id`` naming a call of the assistant message before it (as OpenAI);
+earlier assistant ``tool_calls`` are taken as given (well-formed, not checked against this request's tools).
+``logprobs``, ``top_logprobs``, ``logit_bias`` and the penalties are served at their defaults only
+(:data:`DEFAULT_ONLY_FIELDS`); a lone surrogate in any string is refused (no tokenizer reads it); a model not
+served is 404 ``model_not_found``; ``stop`` also ends the decode of a text answer (``EngineConfig.stop``).
 ``response_format``'s ``json_schema.strict: false`` relaxes in the grammar what it cannot enforce; the answer is
 validated after.
 """
@@ -18,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import ResponseFormat, SchemaError, ToolCall, ToolCallError, ToolError, ToolRegistry, as_tool
+from schemas import ResponseFormat, SchemaError, ToolCall, ToolError, ToolRegistry, as_tool
 
 from .engine import DecodedTurn, EngineConfig
 
@@ -27,6 +31,9 @@ STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_c
                    "stream_options", "n", "user")
 EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "window", "max_string_length", "max_decimals",
                 "grounding", "close_at_model_end")
+# standard parameters served only at their default (no effect): any other value is refused, naming the parameter
+DEFAULT_ONLY_FIELDS = {"logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
+                       "logit_bias": {}}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of at most this many characters
 MAX_NUM_DRAFT_TOKENS = 32  # γ per request: the speculative window's own cap (decoding.speculative max_window)
@@ -39,7 +46,7 @@ class RequestError(ValueError):
         self.param = param
         self.status = status
         self.code = code
-        super().__init__(f"{param}: {message}" if param else message)
+        super().__init__(f"{param}: {message}" if param and not message.startswith(param) else message)
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -77,16 +84,31 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     """Check an OpenAI chat-completions request body. Raises :class:`RequestError` naming the first bad field."""
     if not isinstance(body, dict):
         raise RequestError(None, "the request body must be a JSON object")
-    for key in body:
-        if key not in STANDARD_FIELDS and key not in EXTRA_FIELDS:
+    for key, value in body.items():
+        if key in DEFAULT_ONLY_FIELDS:
+            default = DEFAULT_ONLY_FIELDS[key]
+            same = value == default and isinstance(value, bool) == isinstance(default, bool) and \
+                type(value) in ((int, float) if isinstance(default, int) and not isinstance(default, bool) else
+                                (type(default),))
+            if value is not None and not same:
+                raise RequestError(key, f"is not supported here other than at its default ({json.dumps(default)}), "
+                                        f"got {json.dumps(value)[:80]}")
+        elif key not in STANDARD_FIELDS and key not in EXTRA_FIELDS:
             raise RequestError(key, f"unsupported parameter {key!r}")
+    _check_unicode(body, "")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user", "must be a string")
     model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model", "is required: the name of a served model, one of " + ", ".join(model_names))
     if model not in model_names:
-        raise RequestError("model", f"model {model!r} is not served here; served: {list(model_names)}")
-    if body.get("n", 1) != 1:
+        raise RequestError("model", f"the model {model!r} does not exist here; served: {', '.join(model_names)}",
+                           status=404, code="model_not_found")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise RequestError("n", "only n=1 is supported")
     registry = _tools(body.get("tools"))
-    tool_choice = _tool_choice(body.get("tool_choice", "auto" if len(registry) else "none"), registry)
+    choice = body.get("tool_choice")
+    tool_choice = _tool_choice(("auto" if len(registry) else "none") if choice is None else choice, registry)
     response = _response_format(body.get("response_format"))
     config = _config(body, base)
     stop = body.get("stop")
@@ -97,11 +119,16 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise RequestError("stream" if not isinstance(stream, bool) else "stream_options", "has the wrong type")
+    if options and not stream:
+        raise RequestError("stream_options", "is allowed only with stream: true")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise RequestError("stream_options.include_usage", "must be a boolean")
     parallel = body.get("parallel_tool_calls")  # None: the tool format's default
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls", "must be a boolean")
+    config = config.override(stop=tuple(stop) or None)  # the decode of a text answer ends at a stop sequence
     budget_given = any(body.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
-    return ChatRequest(model, _messages(body.get("messages"), registry), registry, tool_choice, parallel, response,
+    return ChatRequest(model, _messages(body.get("messages")), registry, tool_choice, parallel, response,
                        config, stop, stream, bool(options.get("include_usage")), budget_given)
 
 
@@ -114,6 +141,9 @@ def _tools(tools: Any) -> ToolRegistry:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise RequestError(f"tools[{i}]", "must be {'type': 'function', 'function': {'name', 'parameters'}}")
+        for key, kind, what in (("strict", bool, "a boolean"), ("description", str, "a string")):
+            if t["function"].get(key) is not None and not isinstance(t["function"][key], kind):
+                raise RequestError(f"tools[{i}].function.{key}", f"must be {what}")
         try:
             registry.register(as_tool(t, strict=t["function"].get("strict") is not False))
         except SchemaError as e:
@@ -121,6 +151,8 @@ def _tools(tools: Any) -> ToolRegistry:
             raise RequestError(where, str(e)) from None
         except (ToolError, ValueError) as e:
             raise RequestError(f"tools[{i}].function", str(e)) from None
+        except RecursionError:
+            raise RequestError(f"tools[{i}].function.parameters", "is nested too deeply to compile") from None
     return registry
 
 
@@ -128,12 +160,12 @@ def _tool_choice(choice: Any, registry: ToolRegistry) -> Any:
     if choice in ("auto", "none"):
         return choice
     if not len(registry):
-        raise RequestError("tool_choice", f"{choice!r} needs tools")
+        raise RequestError("tool_choice", f"{json.dumps(choice)[:80]} needs tools: the request has none")
     if choice == "required":
         return choice
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
-    if name is None:
+    if not isinstance(name, str):
         raise RequestError("tool_choice", "must be 'auto', 'required', 'none' or "
                                           "{'type': 'function', 'function': {'name': ...}}")
     if name not in registry:
@@ -195,7 +227,7 @@ def _text(content: Any, where: str) -> str | None:
     raise RequestError(where, "must be a string or a list of text parts")
 
 
-def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
+def _messages(messages: Any) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list")
     out = []
@@ -206,15 +238,10 @@ def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
         msg = {"role": "system" if m["role"] == "developer" else m["role"],
                "content": _text(m.get("content"), f"messages[{i}].content")}
         if m["role"] == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = []
-            for j, tc in enumerate(m["tool_calls"]):
-                fn = tc.get("function") if isinstance(tc, dict) else None
-                try:
-                    call = registry.parse_call({"name": (fn or {}).get("name"), "arguments": (fn or {}).get(
-                        "arguments"), "id": tc.get("id") if isinstance(tc, dict) else None})
-                except ToolCallError as e:
-                    raise RequestError(f"messages[{i}].tool_calls[{j}]", str(e)) from None
-                msg["tool_calls"].append(call.to_openai())
+            if not isinstance(m["tool_calls"], list):
+                raise RequestError(f"messages[{i}].tool_calls", "must be a list of calls")
+            msg["tool_calls"] = [_history_call(tc, f"messages[{i}].tool_calls[{j}]")
+                                 for j, tc in enumerate(m["tool_calls"])]
         elif msg["content"] is None:
             raise RequestError(f"messages[{i}].content", "is required")
         if m["role"] == "tool":
@@ -233,6 +260,46 @@ def _messages(messages: Any, registry: ToolRegistry) -> list[dict]:
             answerable = set()
         out.append(msg)
     return out
+
+
+def _history_call(tc: Any, where: str) -> dict:
+    """An earlier assistant call, normalised (``arguments`` as a JSON string; an id made where none is given).
+    Taken as given, as OpenAI and vLLM take the history: not checked against this request's tools (the final-answer
+    step often sends none)."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        raise RequestError(where, "must be {'id': ..., 'type': 'function', 'function': {'name', 'arguments'}}")
+    name, args, call_id = tc["function"].get("name"), tc["function"].get("arguments"), tc.get("id")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"{where}.function.name", "must be a non-empty string")
+    if call_id is not None and (not isinstance(call_id, str) or not call_id):
+        raise RequestError(f"{where}.id", "must be a non-empty string")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where}.function.arguments", f"is not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise RequestError(f"{where}.function.arguments", "must be a JSON object (as a string)")
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Raise :class:`RequestError` naming the first string (key or value) holding a lone surrogate (``"\\ud800"``
+    in JSON): not Unicode text, so no tokenizer can read it."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(at or None, "holds a lone surrogate (e.g. \\ud800), which is not Unicode text; "
+                                               "send the character's whole surrogate pair") from None
+        elif isinstance(v, dict):
+            stack += [(k, at) for k in v] + [(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(x, f"{at}[{i}]") for i, x in enumerate(v)]
 
 
 # -- responses ----------------------------------------------------------------------------------------------------

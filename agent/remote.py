@@ -72,6 +72,8 @@ class OpenAIEngine:
                                 "max_tokens": config.max_new_tokens}
         if config.seed is not None:
             body["seed"] = config.seed
+        if config.stop:
+            body["stop"] = list(config.stop)
         if tools:
             body["tools"] = [t.to_openai() for t in tools]
             body["tool_choice"] = _wire_tool_choice(tool_choice)

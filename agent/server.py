@@ -4,8 +4,9 @@ Endpoints: ``POST /v1/chat/completions`` (also ``stream: true``, server-sent eve
 ``GET /metrics`` (Prometheus text format), ``GET /health`` (never needs the key). One model in memory; requests
 are decoded ``concurrency`` at a time (default 1) and up to ``max_waiting`` more wait in line; beyond that the server
 answers 429 with ``Retry-After``. A request is counted from its admission, streamed or not, until its decode ends.
-A bad request gets 400 naming the field (``agent/openai_protocol.py``); a failed decode gets 500 with its message
-(never an exception class name), and the server keeps serving. Every returned call and structured output was
+A bad request gets 400 naming the field (``agent/openai_protocol.py``; 404 for a model not served, for an unknown
+route too, in OpenAI's error shape); a failed decode gets 500 with its message (never an exception class name), and
+the server keeps serving: whatever fails after admission, the request's slot is freed. Every returned call and structured output was
 decoded under its grammar and validated, as in :class:`Agent`.
 
 Limits (flags of ``python -m agent serve``; :func:`create_app` arguments):
@@ -50,6 +51,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # the optional "serve" extra: pip install 'specagent[serve]'
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import DecodedTurn, EngineConfig, LocalEngine
 from .openai_protocol import (ChatRequest, RequestError, TextStream, chunk, completion, make_choice, new_id,
@@ -190,6 +192,11 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         m_requests.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # 404 / 405 and the like in OpenAI's error shape
+        return error(RequestError(None, str(exc.detail), status=exc.status_code), getattr(exc, "headers", None))
+
     def denied(request: Request) -> JSONResponse | None:
         if api_key is None:
             return None
@@ -248,14 +255,19 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
             body = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(RequestError(None, f"the request body is not JSON: {e}"))
+        except RecursionError:
+            return error(RequestError(None, "the request body is nested too deeply to read"))
         try:
             req = parse_chat_request(body, config, names)
         except RequestError as e:
             return error(e)
+        except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:  # a shape no check foresaw
+            logger.warning("request not readable: %r", e)
+            return error(RequestError(None, f"the request could not be read: {e}"[:300]))
         if state.in_flight >= concurrency + max_waiting:
             return error(RequestError(None, f"{state.in_flight} requests in flight (limit "
-                                            f"{concurrency + max_waiting}); retry later", status=429),
-                         {"Retry-After": str(RETRY_AFTER_S)})
+                                            f"{concurrency + max_waiting}); retry later", status=429,
+                                      code="rate_limit_exceeded"), {"Retry-After": str(RETRY_AFTER_S)})
         slot = _Slot(state, request_timeout)
         try:
             if check is not None:
@@ -275,6 +287,11 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
             slot.release()
             param = "drafter" if "drafter" in str(e) or "head" in str(e) else None
             return error(RequestError(param, str(e)))
+        except Exception:  # noqa: BLE001 - whatever failed, the slot is freed and the client gets a JSON 500
+            slot.release()
+            logger.exception("preparing the request failed")
+            return error(RequestError(None, "internal server error while preparing the request (see the server's "
+                                            "log)", status=500))
         return req, slot
 
     @app.get("/health")

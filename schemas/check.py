@@ -97,8 +97,9 @@ def _multiple_of(validator, divisor, instance, schema):
 def check_valid(schema: Any, tool: str | None = None) -> None:
     """Raise :class:`SchemaError` if ``schema`` is not valid JSON Schema for its declared draft.
 
-    Checks the meta-schema (e.g. ``{"type": "objekt"}`` -> keyword ``type`` at pointer ``/type``) and that every
-    local ``$ref`` resolves.
+    Checks the meta-schema (e.g. ``{"type": "objekt"}`` -> keyword ``type`` at pointer ``/type``), that every
+    local ``$ref`` resolves and that every ``pattern`` (and ``patternProperties`` key) compiles with Python's ``re``,
+    which validates outputs (a ``\\p{L}`` class does not).
     """
     if not isinstance(schema, (dict, bool)):
         raise SchemaError(f"a JSON Schema must be an object or a boolean, got {type(schema).__name__}", tool=tool)
@@ -116,6 +117,17 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
         raise SchemaError(f"invalid JSON Schema at {pointer or '/'} (keyword {keyword!r}): {message}{more}",
                           pointer=pointer, keyword=keyword, tool=tool, problems=problems)
     for path, node in walk(schema):
+        patterns = [(("pattern",), node.get("pattern"))] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += [(("patternProperties", k), k) for k in node["patternProperties"]]
+        for where, pattern in patterns:  # post-validation runs Python's re (jsonschema): refuse what it cannot read
+            try:
+                re.compile(pattern)
+            except (re.error, RecursionError, OverflowError) as e:
+                pointer = json_pointer(path + where)
+                raise SchemaError(f"pattern {pattern!r} at {pointer} cannot be validated (Python's re: {e}); write "
+                                  f"it without that construct (a \\p{{...}} class as an explicit one: [A-Za-z])",
+                                  pointer=pointer, keyword="pattern", tool=tool) from None
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             # "#…" resolves against the nearest enclosing resource (a subschema with its own $id); real-world

@@ -76,6 +76,10 @@ class Tool:
         if not isinstance(self.parameters, dict):
             raise SchemaError(f"parameters must be a JSON Schema object, got {type(self.parameters).__name__}",
                               tool=self.name)
+        kind = self.parameters.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise SchemaError(f"parameters must be a JSON Schema of type 'object' (the arguments are a JSON object), "
+                              f"got type {kind!r}", pointer="/type", keyword="type", tool=self.name)
         check_valid(self.parameters, tool=self.name)
         if self.strict:
             check_enforceable(self.parameters, tool=self.name)

@@ -119,6 +119,20 @@ def test_schema_using_not_rejected_strictly_with_pointer_and_advice():
     assert Tool.from_schema("person", schema, strict=False).strict is False
 
 
+def test_parameters_not_of_type_object_and_patterns_python_cannot_validate_are_rejected_with_pointer():
+    """Both registered before, then every call failed after its decode (a 500 from the server)."""
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("s", {"type": "string"})
+    assert e.value.pointer == "/type" and "object" in str(e.value)
+    for schema, pointer in (({"type": "object", "properties": {"a": {"type": "string", "pattern": "\\p{L}+"}}},
+                             "/properties/a/pattern"),
+                            ({"type": "object", "patternProperties": {"(?<x>a)": {}}}, "/patternProperties/(?<x>a)")):
+        with pytest.raises(SchemaError) as e:
+            Tool.from_schema("p", schema)
+        assert e.value.keyword == "pattern" and e.value.pointer == pointer
+    assert Tool.from_schema("ok", {"type": ["object", "null"], "properties": {"a": {"pattern": "^[a-z]+$"}}})
+
+
 def test_dangling_ref_names_the_pointer():
     with pytest.raises(SchemaError) as e:
         Tool.from_schema("r", {"$ref": "#/defs/missing"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import jsonschema
@@ -189,9 +190,22 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "nope"}}}),
      "response_format.json_schema.schema"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
-        "name": "lookup", "arguments": '{"code": 3}'}}]}], tools=TOOLS), "messages[0].tool_calls[0]"),
-    (dict(model="gpt-4o"), "model"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": "lookup"}]}],
+          tools=TOOLS), "messages[0].tool_calls[0]"),
+    (dict(messages=[{"role": "assistant", "tool_calls": 5}]), "messages[0].tool_calls"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": ["1"], "type": "function", "function": {
+        "name": "lookup", "arguments": "{}"}}]}]), "messages[0].tool_calls[0].id"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": ["lookup"]}}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+     "tools[0].function.parameters at /type"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "\\p{L}+"}}}}}]),
+     "tools[0].function.parameters at /properties/a/pattern"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(extra_body={"adaptive": "yes"}), "adaptive"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": {}}}]),
+     "tools[0].function.strict"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
 ])
 def test_bad_requests_get_400_naming_the_field(client, kwargs, field):
     args = dict(model="tiny", messages=user("hi"), max_tokens=4)
@@ -200,6 +214,76 @@ def test_bad_requests_get_400_naming_the_field(client, kwargs, field):
         client.chat.completions.create(**args)
     assert err.value.status_code == 400 and err.value.body["param"].startswith(field.split(" at ")[0])
     assert field in err.value.body["message"]
+
+
+def test_a_model_not_served_is_404_and_defaults_of_unsupported_parameters_are_accepted(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=user("hi"), max_tokens=4)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    # what SDKs and UIs send as "nothing": accepted (OpenAI and vLLM accept them)
+    resp = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=4, n=None, tool_choice=None,
+                                          logprobs=False, frequency_penalty=0, presence_penalty=0.0, logit_bias={})
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    # a lone surrogate (no client library sends one; raw JSON can): 400 naming the field, the slot freed
+    body = b'{"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x \\ud800"}]}'
+    req = urllib.request.Request(server + "/chat/completions", data=body, headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and json.load(e.value)["error"]["param"] == "messages[0].content"
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as r:
+        assert json.load(r)["in_flight"] == 0
+    # a body nested past the parser's recursion limit: 400, not 500
+    req = urllib.request.Request(server + "/chat/completions", data=b'{"user": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and "nested too deeply" in json.load(e.value)["error"]["message"]
+    # any other path or method answers in OpenAI's error shape
+    for path, method in (("/v1/nothing", "GET"), ("/v1/chat/completions", "GET")):
+        req = urllib.request.Request(server.removesuffix("/v1") + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code in (404, 405) and json.load(e.value)["error"]["message"]
+
+
+def test_earlier_calls_are_taken_as_given_without_this_requests_tools(client):
+    """The final-answer step sends the conversation's calls and results without ``tools``, or with other tools
+    (OpenAI and vLLM take the history as it is); before, each earlier call was checked against this request's
+    tools (400 "unknown tool")."""
+    history = [*user("weather in Oslo?"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    for tools in (None, [LOOKUP]):
+        resp = client.chat.completions.create(model="tiny", messages=history, max_tokens=4,
+                                              **({"tools": tools} if tools else {}))
+        assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_request_that_breaks_the_prompt_check_never_keeps_its_slot(engine, monkeypatch):
+    """Whatever fails between admission and the decode, the request's slot is freed (before, an exception other
+    than a ValueError kept it: 65 such requests locked the server into 429s) and the client gets a JSON 500."""
+    monkeypatch.setattr(engine, "check", lambda *a, **k: (_ for _ in ()).throw(TypeError("no tokenizer today")))
+    with ServerThread(create_app(engine, model_name="tiny", config=CONFIG, max_waiting=0, concurrency=1)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        for _ in range(3):  # more than the limit of one request in flight
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=4)
+            assert "TypeError" not in str(err.value.body) and err.value.body["type"] == "server_error"
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
+            assert json.load(r)["in_flight"] == 0
+
+
+def test_a_stop_sequence_ends_the_decode_there(client):
+    """The decode of a text answer stops at the step that writes a stop sequence (before, it ran to its budget and
+    the answer was cut afterwards)."""
+    kwargs = dict(model="tiny", messages=user("say something"), max_tokens=48, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    text = full.choices[0].message.content
+    assert full.usage.completion_tokens >= 24 and len(text) > 12, text  # the tiny model writes to its budget
+    stop = text[4:7]
+    cut = client.chat.completions.create(**kwargs, stop=[stop])
+    assert cut.choices[0].message.content == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < full.usage.completion_tokens
 
 
 def test_health_and_models_answer(client, server):
