@@ -207,11 +207,13 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
                             code="invalid_api_key")
         return error(body, {"WWW-Authenticate": "Bearer"})
 
-    def record(turn: DecodedTurn, status: int, t0: float) -> None:
+    def record(turn: DecodedTurn | None, status: int, t0: float) -> None:
+        """Count one answered request (``turn`` None: a stream that failed or whose client left)."""
         m_requests.labels(str(status)).inc()
-        m_tokens.inc(turn.stats.new_tokens)
-        m_drafted.inc(turn.stats.drafted)
-        m_accepted.inc(turn.stats.accepted)
+        if turn is not None:
+            m_tokens.inc(turn.stats.new_tokens)
+            m_drafted.inc(turn.stats.drafted)
+            m_accepted.inc(turn.stats.accepted)
         m_latency.observe(time.monotonic() - t0)
 
     def submit(req: ChatRequest, slot: _Slot, on_text=None) -> asyncio.Future:
@@ -396,6 +398,7 @@ async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asy
     None), ending with ``data: [DONE]``."""
     cid = new_id()
     stream = TextStream(req, call_prefixes)
+    counted = False  # the request is in specagent_requests_total: 200, its error's status, or 499 (client left)
 
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -414,6 +417,9 @@ async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asy
             else:
                 logger.exception("decode failed")
                 err = RequestError(None, f"generation failed: {e}", status=500)
+            if not (isinstance(e, Cancelled) and e.args and e.args[0] != "timeout"):
+                record(None, err.status, t0)
+                counted = True
             yield event(err.body())
             yield "data: [DONE]\n\n"
             return
@@ -424,10 +430,13 @@ async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asy
         yield event(chunk(cid, req, {}, choice.finish_reason))
         if req.include_usage:
             yield event(chunk(cid, req, None, usage_=usage(turn, req.config)))
-        yield "data: [DONE]\n\n"
         record(turn, 200, t0)
+        counted = True
+        yield "data: [DONE]\n\n"
     finally:
         slot.stop("disconnected")  # no-op when the decode has ended
+        if not counted:
+            record(None, 499, t0)  # the client left (nobody is listening)
 
 
 def draining_server(app: Any, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, **config: Any):

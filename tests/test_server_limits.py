@@ -9,6 +9,7 @@ import http.client
 import json
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -97,6 +98,12 @@ def open_stream(url: str, payload: dict, chunks: int):
     return conn, r
 
 
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                if line and not line.startswith("#")}
+
+
 def in_flight(url: str) -> int:
     return request("GET", url.removesuffix("/v1") + "/health", timeout=10).json()["in_flight"]
 
@@ -144,6 +151,8 @@ def test_a_stream_closed_after_two_chunks_stops_its_decode_and_frees_its_slot(en
         assert time.monotonic() - t0 < 2  # at the next step, not after 400 tokens × 50 ms
         wait_until(lambda: slow.ended)
         assert slow.ended == ["cancelled:disconnected"]
+        # counted in /metrics as 499 (nobody listening), as a non-streamed client that leaves is
+        wait_until(lambda: metrics(url).get('specagent_requests_total{status="499"}') == 1, 5)
 
 
 def test_a_non_streamed_client_that_times_out_stops_its_decode(engine):
@@ -184,6 +193,7 @@ def test_request_timeout_stops_the_decode_and_answers_504(engine, stream):
             assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
         wait_until(lambda: in_flight(url) == 0, 5)
         assert slow.ended == ["cancelled:timeout"]
+        assert metrics(url)['specagent_requests_total{status="504"}'] == 1  # a stream's too
 
 
 # -- client errors: 4xx before the status line, streamed or not ---------------------------------------------------
