@@ -93,7 +93,8 @@ class Agent:
         draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
             (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
             ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU
-            threads, ``ctx_size`` KV cache positions per sequence), ``"torch"`` (default) on transformers. ``engine``
+            threads, ``ctx_size`` KV cache positions per sequence; the default where llama-cpp-python is installed), ``"torch"``
+            on transformers. ``engine``
             is an alias of ``backend``.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
@@ -142,6 +143,12 @@ class Agent:
         self._tool_sources: list[tuple[Any, bool | None]] = []
         for t in tools:
             self.register(t)
+        _check_budgets(1, None, max_steps)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        if tool_timeout is not None and (isinstance(tool_timeout, bool) or not isinstance(tool_timeout, (int, float))
+                                         or not tool_timeout > 0):
+            raise ValueError(f"tool_timeout must be a number of seconds > 0 (or None), got {tool_timeout!r}")
         self.max_steps = max_steps
         self.tool_timeout = tool_timeout
         self.max_retries = max_retries
@@ -174,7 +181,8 @@ class Agent:
     def run(self, prompt: str | list[dict], *, tool_choice: Any = "auto", response_format: Any = None,
             max_new_tokens: int | None = None, max_total_tokens: int | None = None, max_steps: int | None = None,
             parallel_tool_calls: bool | None = None, temperature: float | None = None, top_p: float | None = None,
-            seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None) -> RunResult:
+            seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None,
+            grounding: bool | None = None) -> RunResult:
         """Run the loop until a final answer, a call of a tool without a callable, or ``max_steps`` turns.
 
         Args:
@@ -187,8 +195,9 @@ class Agent:
             max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
             parallel_tool_calls: allow several calls in one turn (None: when the tool format has a layout for
                 them; True raises ToolFormatError for a format that has none, e.g. ``llama3_json``).
-            temperature, top_p, seed, drafter, num_draft_tokens, max_new_tokens: override :attr:`config` for this
-                run (None: the config's value; ``num_draft_tokens=0`` is honoured; greedy when temperature is 0).
+            temperature, top_p, seed, drafter, num_draft_tokens, max_new_tokens, grounding: override
+                :attr:`config` for this run (None: the config's value; ``num_draft_tokens=0`` is honoured; greedy
+                when temperature is 0; ``grounding=False`` returns calls exactly as decoded).
         Returns:
             :class:`RunResult`. A decoded call of a lenient tool that still fails validation after ``max_retries``
             retries ends the run with ``RunResult.error`` set (the transcript and earlier results are kept).
@@ -201,7 +210,7 @@ class Agent:
         return self._run(prompt, None, tool_choice=tool_choice, response_format=response_format,
                          max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, max_steps=max_steps,
                          parallel_tool_calls=parallel_tool_calls, temperature=temperature, top_p=top_p, seed=seed,
-                         drafter=drafter, num_draft_tokens=num_draft_tokens)
+                         drafter=drafter, num_draft_tokens=num_draft_tokens, grounding=grounding)
 
     def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         """Like :meth:`run`, but yields :class:`Event` objects as they happen (tokens, tool calls, answer, stats);
@@ -239,6 +248,10 @@ class Agent:
         agent from :meth:`spec` (its own engine: the model loaded in the actor, or the same remote server), on the
         cluster ``ray.init`` connected to (see ``agent.distributed``).
         """
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable):
+            raise ValueError(f"run_batch takes a list of prompts (each a string or a message list), got "
+                             f"{type(prompts).__name__}; for one prompt use run()")
+        prompts = list(prompts)
         if backend == "ray":
             from .distributed import ray_run_batch
 
@@ -246,6 +259,11 @@ class Agent:
                                  run_kwargs=kwargs)
         if backend != "thread":
             raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
+        for i, p in enumerate(prompts):  # every prompt checked before any runs
+            try:
+                self._initial_messages(p)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         if max_workers <= 1:
             return [self.run(p, **kwargs) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
@@ -372,6 +390,22 @@ class Agent:
         for i, m in enumerate(messages):
             if "role" not in m:
                 raise ValueError(f"message {i} has no 'role'")
+            if m["role"] not in ROLES:
+                raise ValueError(f"message {i}: role {m['role']!r} is not one of {', '.join(ROLES)}")
+            content = m.get("content")
+            if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+                raise ValueError(f"message {i} ({m['role']}) has no 'content'")
+            if m["role"] == "tool":
+                pass  # a tool's result: text, or any JSON value (rendered as JSON)
+            elif isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ValueError(f"message {i}: only text content parts ({{'type': 'text', 'text': ...}}) are "
+                                     f"supported")
+                m["content"] = "".join(p["text"] for p in content)  # as the server reads them
+            elif content is not None and not isinstance(content, str):
+                raise ValueError(f"message {i}: 'content' must be a string or a list of text parts, got "
+                                 f"{type(content).__name__}")
             for tc in m.get("tool_calls") or []:
                 fn = tc.get("function", tc)
                 try:
@@ -379,6 +413,9 @@ class Agent:
                 except ToolCallError as e:
                     raise ToolCallError(f"message {i}: {e}", tool=e.tool, pointer=e.pointer) from None
         return messages
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the message roles a prompt may hold
 
 
 def _check_budgets(max_new_tokens: Any, max_total_tokens: Any, max_steps: Any) -> None:

@@ -14,9 +14,11 @@ def filter_tools(tools: Iterable[Tool], tool_choice: Any) -> tuple[list[Tool], s
 
     Raises:
         ToolCallError: the named tool is not among ``tools``.
-        ValueError: ``tool_choice`` is none of the above.
+        ValueError: ``tool_choice`` is none of the above, or ``"required"`` with no tools.
     """
     tools = list(tools)
+    if tool_choice == "required" and not tools:
+        raise ValueError("tool_choice 'required' needs at least one tool; none is registered")
     if tool_choice in ("auto", "required", "none"):
         return tools, tool_choice
     if isinstance(tool_choice, dict):

@@ -189,7 +189,8 @@ class Tool:
 
 
 class ResponseFormat:
-    """A structured final answer: a pydantic model class or a JSON Schema (any JSON type at the root).
+    """A structured final answer: a pydantic model class or a JSON Schema (any JSON type at the root; OpenAI's
+    ``{"type": "json_schema", "json_schema": {"schema": ...}}`` and ``{"type": "json_object"}`` are read as theirs).
 
     Attributes:
         schema: the JSON Schema the grammar enforces.
@@ -200,6 +201,13 @@ class ResponseFormat:
     """
 
     def __init__(self, spec: Any, *, strict: bool = True):
+        if isinstance(spec, dict) and spec.get("type") == "json_schema" and isinstance(spec.get("json_schema"), dict):
+            # OpenAI's wrapper {"type": "json_schema", "json_schema": {"schema": ..., "strict": ...}} (no JSON
+            # Schema has type "json_schema"): its schema
+            strict = strict and spec["json_schema"].get("strict") is not False
+            spec = spec["json_schema"].get("schema", {})
+        elif spec == {"type": "json_object"}:  # OpenAI's JSON mode: any JSON object
+            spec = {"type": "object"}
         self.model = spec if isinstance(spec, type) and issubclass(spec, pydantic.BaseModel) else None
         if self.model is not None:
             self.schema = _clean_pydantic_schema(self.model.model_json_schema())

@@ -35,9 +35,18 @@ def detect_format(chat_template: str | None) -> str:
 
 
 def load_chat_template(template: str | None) -> str | None:
-    """``template`` itself, or the text of the file it names (``.jinja`` / ``.txt`` / any existing path)."""
-    if template and "{" not in template and Path(template).expanduser().is_file():
-        return Path(template).expanduser().read_text()
+    """``template`` itself (a Jinja text: it holds ``{``), or the text of the file it names.
+
+    Raises:
+        ToolFormatError: ``template`` holds no ``{`` and names no file (a mistyped path is never taken as the
+            template's text).
+    """
+    if template and "{" not in template:
+        path = Path(template).expanduser()
+        if not path.is_file():
+            raise ToolFormatError(f"chat template {template!r}: no such file (a template's own text holds Jinja "
+                                  f"'{{{{' or '{{%')")
+        return path.read_text()
     return template
 
 

@@ -1,0 +1,98 @@
+"""The Python API refuses a user's mistakes before decoding, naming what is wrong (found by a helper trying the
+README as a new user): each of these ran before, or crashed with a TypeError."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agent import Agent
+from agent.formats import ToolFormatError, load_chat_template
+from decoding import Generator
+from schemas import ResponseFormat
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def agent(tiny_target):
+    return Agent(Generator(tiny_target), [WEATHER], max_steps=1)
+
+
+@pytest.fixture
+def turns(agent, monkeypatch):
+    """The configs ``engine.turn`` was called with (the decode itself is not run)."""
+    seen = []
+
+    def turn(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text=None):
+        seen.append(config)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(agent.engine, "turn", turn)
+    return seen
+
+
+def test_run_takes_grounding_as_the_readme_says(agent, turns):
+    with pytest.raises(RuntimeError, match="stop here"):
+        agent.run("Weather in Oslo?", tool_choice="required", grounding=False)
+    assert turns[-1].grounding is False and agent.config.grounding is True
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "robot", "content": "hi"}], "message 0: role 'robot' is not one of"),
+    ([{"role": "user"}], "message 0 (user) has no 'content'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text content parts"),
+    ([{"role": "user", "content": 5}], "'content' must be a string"),
+])
+def test_malformed_messages_are_refused_naming_the_message(agent, turns, messages, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        agent.run(messages)
+    assert not turns
+
+
+def test_text_parts_are_read_as_their_text(agent, turns, monkeypatch):
+    seen = []
+    monkeypatch.setattr(agent.engine, "turn", lambda messages, *a, **k: seen.append(messages) or (_ for _ in ()).throw(
+        RuntimeError("stop here")))
+    with pytest.raises(RuntimeError):
+        agent.run([{"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "?"}]},
+                   {"role": "tool", "tool_call_id": "x", "content": {"temp": 21}}])
+    assert seen[0][0]["content"] == "Weather ?" and seen[0][1]["content"] == {"temp": 21}
+
+
+def test_required_with_no_tools_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="'required' needs at least one tool"):
+        Agent(Generator(tiny_target)).run("hi", tool_choice="required")
+
+
+def test_run_batch_checks_every_prompt_before_running_any(agent, turns):
+    with pytest.raises(ValueError, match="a list of prompts"):
+        agent.run_batch("Weather in Oslo?")
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt is empty"):
+        agent.run_batch(["Weather in Oslo?", " "])
+    assert not turns
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(max_steps=0), "max_steps"), (dict(max_retries=-1), "max_retries"),
+                                          (dict(tool_timeout=-1), "tool_timeout")])
+def test_agent_settings_out_of_range_are_refused(tiny_target, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Agent(Generator(tiny_target), [WEATHER], **kwargs)
+
+
+def test_a_chat_template_path_that_does_not_exist_is_an_error_not_the_template(tiny_target, tmp_path):
+    with pytest.raises(ToolFormatError, match="no such file"):
+        load_chat_template(str(tmp_path / "nope.jinja"))
+    with pytest.raises(ToolFormatError, match="no such file"):
+        Agent(Generator(tiny_target), chat_template="my_tmpl.jinja")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert load_chat_template(str(tmp_path / "t.jinja")).startswith("{%")
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+
+
+def test_openais_response_format_wrappers_are_read_as_their_schema():
+    inner = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = ResponseFormat({"type": "json_schema", "json_schema": {"name": "r", "schema": inner, "strict": False}})
+    assert rf.schema == inner and rf.strict is False
+    assert ResponseFormat({"type": "json_object"}).schema == {"type": "object"}
