@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import json
 import logging
 import queue
@@ -214,7 +215,14 @@ class Agent:
 
     def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         """Like :meth:`run`, but yields :class:`Event` objects as they happen (tokens, tool calls, answer, stats);
-        the last event is ``"done"`` with the :class:`RunResult`. Exceptions are re-raised in the caller."""
+        the last event is ``"done"`` with the :class:`RunResult`. Exceptions are re-raised in the caller.
+
+        Raises:
+            TypeError: a keyword argument :meth:`run` does not take (at the call, before anything runs)."""
+        inspect.signature(self.run).bind(prompt, **kwargs)
+        return self._stream(prompt, **kwargs)
+
+    def _stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         q: queue.Queue = queue.Queue()
         sentinel = object()
 
@@ -275,6 +283,8 @@ class Agent:
              parallel_tool_calls: bool | None = None, **overrides: Any) -> RunResult:
         config = self.config.override(**overrides)  # raises ValueError naming a bad override (max_new_tokens < 1)
         _check_budgets(config.max_new_tokens, max_total_tokens, max_steps)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls must be True, False or None, got {parallel_tool_calls!r}")
         on_text = None if emit is None else (lambda text: emit(Event("token", text=text)))
         emit = emit or (lambda event: None)
         messages = self._initial_messages(prompt)

@@ -180,9 +180,12 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | t
     Raises:
         ModelNotFoundError: the files are missing; the message gives the install command.
         UnsupportedModelError: the model's KV cache cannot be rolled back (see :func:`check_rollback`).
-        ValueError: the GGUF's sha256 does not match the pinned one.
+        ValueError: the GGUF's sha256 does not match the pinned one, or ``device`` is CUDA and torch sees none.
     """
     torch_dtype = resolve_dtype(dtype)
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build sees no CUDA device (a CPU build, or no GPU); use "
+                         f"device='cpu'")
     key = (spec, device, torch_dtype)
     with _LOCK:
         if shared and key in _LOADED:

@@ -150,7 +150,8 @@ class Tool:
             if pname not in hints:
                 raise ToolError(f"tool {tool_name!r}: parameter {pname!r} has no type annotation")
             default = ... if p.default is p.empty else p.default
-            fields[pname] = (hints[pname], pydantic.Field(default, description=arg_docs.get(pname)))
+            doc = arg_docs.get(pname)  # none: an Annotated[..., Field(description=...)] keeps its own
+            fields[pname] = (hints[pname], pydantic.Field(default, **({"description": doc} if doc else {})))
         model = pydantic.create_model(_model_name(tool_name), **fields)
         schema = _clean_pydantic_schema(model.model_json_schema())
         return cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,

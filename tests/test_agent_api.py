@@ -96,3 +96,21 @@ def test_openais_response_format_wrappers_are_read_as_their_schema():
     rf = ResponseFormat({"type": "json_schema", "json_schema": {"name": "r", "schema": inner, "strict": False}})
     assert rf.schema == inner and rf.strict is False
     assert ResponseFormat({"type": "json_object"}).schema == {"type": "object"}
+
+
+def test_stream_refuses_an_unknown_keyword_and_run_a_non_boolean_parallel_flag(agent, turns):
+    with pytest.raises(TypeError, match="foo"):
+        agent.stream("Weather in Oslo?", foo=1)
+    with pytest.raises(ValueError, match="parallel_tool_calls"):
+        agent.run("Weather in Oslo?", parallel_tool_calls="yes")
+    assert not turns
+
+
+def test_cuda_on_a_torch_without_cuda_is_a_value_error_not_a_traceback():
+    import torch
+
+    from decoding import load_model
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for torch builds without it")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        load_model("smollm2", device="cuda")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import jsonschema
 import pydantic
@@ -224,3 +224,16 @@ def test_schemas_imports_no_grammar_engine_and_strict_registration_asks_for_one(
             "    assert 'import constraints' in str(e)\nelse:\n    raise SystemExit('strict without an engine passed')\n"
             "schemas.Tool.from_schema('f', {'not': {'type': 'null'}}, strict=False)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_annotated_field_description_is_kept_where_the_docstring_gives_none():
+    def f(n: Annotated[int, pydantic.Field(ge=0, description="zero or more")],
+          k: Annotated[int, pydantic.Field(description="own")] = 2) -> None:
+        """Doc.
+
+        Args:
+            k: from the docstring.
+        """
+    props = Tool.from_function(f).parameters["properties"]
+    assert props["n"] == {"description": "zero or more", "minimum": 0, "type": "integer"}
+    assert props["k"]["description"] == "from the docstring."
