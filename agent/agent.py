@@ -94,9 +94,8 @@ class Agent:
         draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
             (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
             ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU
-            threads, ``ctx_size`` KV cache positions per sequence; the default where llama-cpp-python is installed), ``"torch"``
-            on transformers. ``engine``
-            is an alias of ``backend``.
+            threads, ``ctx_size`` KV cache positions per sequence; the default where llama-cpp-python is
+            installed), ``"torch"`` on transformers. ``engine`` is an alias of ``backend``.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
             validates every output (failed calls are retried ``max_retries`` times with the error fed back).

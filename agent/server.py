@@ -6,8 +6,8 @@ are decoded ``concurrency`` at a time (default 1) and up to ``max_waiting`` more
 answers 429 with ``Retry-After``. A request is counted from its admission, streamed or not, until its decode ends.
 A bad request gets 400 naming the field (``agent/openai_protocol.py``; 404 for a model not served, for an unknown
 route too, in OpenAI's error shape); a failed decode gets 500 with its message (never an exception class name), and
-the server keeps serving: whatever fails after admission, the request's slot is freed. Every returned call and structured output was
-decoded under its grammar and validated, as in :class:`Agent`.
+the server keeps serving: whatever fails after admission, the request's slot is freed. Every returned call and
+structured output was decoded under its grammar and validated, as in :class:`Agent`.
 
 Limits (flags of ``python -m agent serve``; :func:`create_app` arguments):
     ``--api-key`` / ``SPECAGENT_API_KEY``: ``Authorization: Bearer KEY`` on every route but ``/health`` (401).
