@@ -291,6 +291,7 @@ class Agent:
         result = RunResult(messages=messages)
         choice = tool_choice
         retries = 0
+        invalid: str | None = None  # the last turn's call failed validation and is being retried
         for _ in range(self.max_steps if max_steps is None else max_steps):
             budget = config.max_new_tokens
             if max_total_tokens is not None:
@@ -334,10 +335,12 @@ class Agent:
                     logger.warning("%s", result.error)
                     break
                 retries += 1
+                invalid = str(e)
                 messages.append({"role": "assistant", "content": out.text})
                 messages.append({"role": "user", "content": f"That tool call is invalid: {e}. Call it again with "
                                                             f"valid arguments."})
                 continue
+            invalid = None
             messages.append({"role": "assistant", "content": None,
                              "tool_calls": [c.to_openai() for c in validated]})
             for c in validated:
@@ -353,6 +356,10 @@ class Agent:
             if result.pending_calls or out.truncated:
                 break
             choice = "auto"
+        else:
+            if invalid is not None:  # the steps ran out while an invalid call waited for its retry
+                result.error = f"decoded call invalid, and no step was left to retry it: {invalid}"
+                logger.warning("%s", result.error)
         return result
 
     def _run_one(self, call: ToolCall) -> ToolCallRecord:

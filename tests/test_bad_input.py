@@ -68,6 +68,17 @@ def test_lenient_call_still_invalid_after_retries_returns_the_transcript(tiny_ta
     assert not picked
 
 
+def test_lenient_call_invalid_on_the_last_step_sets_the_error(tiny_target):
+    """With no step left for the retry, the run used to end with no error, no call and no answer."""
+    pick = Tool.from_schema("pick", {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 3}}}, "required": ["n"]}, strict=False)
+    script = lambda prompt: render_call_text([{"name": "pick", "arguments": {"n": 3}}])  # noqa: E731
+    res = Agent(ScriptedGenerator(tiny_target, script), [pick], drafter="none").run(
+        "Pick 3.", tool_choice="required", max_steps=1)
+    assert res.error and "no step was left" in res.error and "pick" in res.error
+    assert not res.tool_calls and not res.pending_calls
+
+
 # -- streaming ----------------------------------------------------------------------------------------------------
 def test_stream_sends_final_answer_when_the_answer_is_cut(tiny_gen):
     events = list(Agent(tiny_gen, [add]).stream("Say something long.", tool_choice="none", max_new_tokens=3))
