@@ -16,6 +16,7 @@ from decoding import DEFAULT_MODEL, DecodeStats, Generator, LoadedModel
 from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
 from .engine import Engine, EngineConfig, LocalEngine, build_engine
+from .openai_protocol import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -429,9 +430,6 @@ class Agent:
                 except ToolCallError as e:
                     raise ToolCallError(f"message {i}: {e}", tool=e.tool, pointer=e.pointer) from None
         return messages
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")  # the message roles a prompt may hold
 
 
 def _check_budgets(max_new_tokens: Any, max_total_tokens: Any, max_steps: Any) -> None:

@@ -330,8 +330,7 @@ class LocalEngine:
             def stop_when(text: str) -> bool:
                 if end_rule is not None and end_rule(text):
                     return True
-                opens_call = bool(allowed) and (self.format.is_call(text) or text.startswith(self.call_prefixes))
-                return not opens_call and any(s in text for s in config.stop)
+                return not (allowed and self._opens_call(text)) and any(s in text for s in config.stop)
         out = self.generator.generate(ids, grammar, max_new_tokens=config.max_new_tokens, sampling=config.sampling,
                                       drafter=config.drafter, num_draft_tokens=config.num_draft_tokens,
                                       adaptive=config.adaptive, window=config.window, on_text=on_text,
@@ -344,7 +343,7 @@ class LocalEngine:
         # "required": a call however short; "auto": an answer cannot start with what opens a call in this format
         # (the grammar's text rule), so a cut "<" or "{" is the start of a call, never an answer; but a structured
         # answer (response_format) is JSON too: whole, it is a call only where it reads as this format's calls
-        opens_call = self.format.is_call(text) or text.startswith(self.call_prefixes)
+        opens_call = self._opens_call(text)
         if opens_call and response_format is not None and out.stop_reason != "length":
             opens_call = self._reads_as_calls(text)
         is_call = bool(allowed) and (mode == "required" or (mode == "auto" and opens_call))
@@ -409,6 +408,10 @@ class LocalEngine:
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
                                            else 2, answer_opens_no_call=True if answer_only else None)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
+
+    def _opens_call(self, text: str) -> bool:
+        """Whether a turn's ``text`` (perhaps cut) opens a call: it starts with what opens one in this format."""
+        return self.format.is_call(text) or text.startswith(self.call_prefixes)
 
     def _reads_as_calls(self, text: str) -> bool:
         """Whether a whole turn's ``text`` parses as one or more calls of this format."""

@@ -87,9 +87,8 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     for key, value in body.items():
         if key in DEFAULT_ONLY_FIELDS:
             default = DEFAULT_ONLY_FIELDS[key]
-            same = value == default and isinstance(value, bool) == isinstance(default, bool) and \
-                type(value) in ((int, float) if isinstance(default, int) and not isinstance(default, bool) else
-                                (type(default),))
+            # equal and of the default's JSON type (0 or 0.0 for a number, never False; false for a boolean)
+            same = value == default and type(value) in ((int, float) if type(default) is int else (type(default),))
             if value is not None and not same:
                 raise RequestError(key, f"is not supported here other than at its default ({json.dumps(default)}), "
                                         f"got {json.dumps(value)[:80]}")

@@ -37,7 +37,8 @@ class OpenAIEngine:
         api_key: sent as a bearer token (local servers ignore it).
         send_engine_config: also send this project's knobs (``drafter``, ``num_draft_tokens``, ``adaptive``,
             ``max_string_length``, ``max_decimals``, ``grounding``, ``close_at_model_end``) as extra fields: only
-            this project's server takes them (the server applies the grounding rules; without them a remote turn's calls are as sent).
+            this project's server takes them (the server applies the grounding rules; without them a remote
+            turn's calls are as sent).
         extra_body: more fields for every request (e.g. vLLM's ``structured_outputs`` options).
         timeout: seconds per request.
     """
