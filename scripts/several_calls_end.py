@@ -14,13 +14,16 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``a new tool counts``: as ``new values``, but a call of a tool no earlier call used is kept when its new values
   are all written in the conversation;
 * ``new values from call 2``: as ``new values``, applied from the second call on;
+* ``new for its tool``: as ``new values``, but a call of a tool an earlier call used is kept when it holds a value
+  no earlier call *of that tool* has, every such value written (:func:`new_for_its_tool`);
 * ``named tool``: as ``new values``, but a call of a new tool a word of whose name the conversation writes (and no
   earlier tool's name holds) is kept when its new values are all written (:func:`named_new_tool`);
 * ``skip unwritten`` (``, named tool``): a call past the first holding a new value the conversation does not write
   is skipped and the turn goes on (:func:`skipping`).
 
-Every variant's calls pass the engine's optional-argument rule before they are scored
-(``agent.grounding.without_unwritten_optional``).
+Every variant's calls pass the engine's rules on decoded calls before they are scored: of several calls, one that
+invents every value is dropped (``agent.grounding.invents_every_value``), and optional arguments the conversation
+does not write are dropped (``agent.grounding.without_unwritten_optional``).
 
 Usage::
 
@@ -75,7 +78,7 @@ def record(args) -> None:
                              for s in (b"<tool_call>", b"</tool_call>", b"\n"))
     with open(args.out, "a") as out:
         for category in args.category.split(","):
-            for row in load_questions(category, None, args.limit, "dev"):
+            for row in load_questions(category, None, args.limit, "dev")[args.start:]:
                 turn = bfcl_turn(row, category)
                 t0 = time.perf_counter()
                 agent = Agent(engine, turn.tools, config=config, strict=False)
@@ -119,6 +122,16 @@ def named_new_tool(call: dict, earlier: list[dict], grounding) -> bool:
     return any(w in grounding.words for w in words(call["name"]) - used)
 
 
+def new_for_its_tool(call: dict, earlier: list[dict], grounding) -> bool:
+    """A call of a tool an earlier call used, holding a value (not a boolean or null) no earlier call of that tool
+    has, every such value written in the conversation: ``gdp(year=1950)`` after ``life_expectancy(1900)``,
+    ``gdp(1900)``, ``life_expectancy(1950)``."""
+    from agent.parallel_calls import brings_new_values
+
+    same = [c for c in earlier if c["name"] == call["name"]]
+    return bool(same) and brings_new_values(call, same, grounding)
+
+
 def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict]:
     """Calls past the first holding a new value the conversation does not write are skipped (the turn goes on);
     past the second kept call, one that brings no new value ends the turn (or, ``mentioned_tool``, is kept when
@@ -141,7 +154,8 @@ def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict
 
 def simulate(args) -> None:
     from agent.formats.hermes import HermesFormat
-    from agent.grounding import Grounding, conversation_text, leaf_values, without_unwritten_optional
+    from agent.grounding import (Grounding, conversation_text, invents_every_value, leaf_values, schema_choices,
+                                 without_unwritten_optional)
     from agent.parallel_calls import brings_new_values
     from bench.bfcl import bfcl_turn, load_questions
 
@@ -156,8 +170,13 @@ def simulate(args) -> None:
             grounding = Grounding(conversation_text(turn.messages))
             bounds = rec["bounds"]
             check = turn.check
-            turn = SimpleNamespace(ground_truth=turn.ground_truth, check=lambda kept, check=check, turn=turn: check(
-                [without_unwritten_optional(c, turn.tools, grounding) for c in kept]))
+            def engine_rules(kept, turn=turn, grounding=grounding):  # what LocalEngine.turn does after the decode
+                offered = {t.name: schema_choices(t.parameters) for t in turn.tools}
+                taking = [c for c in kept if not invents_every_value(c, grounding, offered.get(c.get("name"), ()))] \
+                    if len(kept) > 1 else kept
+                return [without_unwritten_optional(c, turn.tools, grounding) for c in taking or kept]
+            turn = SimpleNamespace(ground_truth=turn.ground_truth,
+                                   check=lambda kept, check=check: check(engine_rules(kept)))
 
             def model_ends(k: int) -> bool:  # after call k (1-based)
                 return k > len(bounds) or bounds[k - 1]["eog"] > bounds[k - 1]["open"]
@@ -184,6 +203,8 @@ def simulate(args) -> None:
                             calls[:first_failing(lambda c, e: brings_new_values(c, e, grounding), 1)])}
             verdicts["skip unwritten"] = turn.check(skipping(calls, grounding, mentioned_tool=False))
             verdicts["skip unwritten, named tool"] = turn.check(skipping(calls, grounding, mentioned_tool=True))
+            verdicts["new for its tool"] = turn.check(calls[:first_failing(
+                lambda c, e: brings_new_values(c, e, grounding) or new_for_its_tool(c, e, grounding), 2)])
             verdicts["named tool"] = turn.check(calls[:first_failing(
                 lambda c, e: brings_new_values(c, e, grounding) or named_new_tool(c, e, grounding), 2)])
             t = totals.setdefault(f"{Path(path).name} {category}", {"n": 0, **{k: 0 for k in verdicts}})
@@ -193,7 +214,7 @@ def simulate(args) -> None:
             print(rec["id"], f"ground truth {len(turn.ground_truth)} calls; kept: masked {len(calls)}, "
                   f"model {model}, new values {new}", {k: int(v) for k, v in verdicts.items()})
     names = ["masked", "model", "new values", "grounded only", "a new tool counts", "new values from call 2",
-             "named tool", "skip unwritten", "skip unwritten, named tool"]
+             "new for its tool", "named tool", "skip unwritten", "skip unwritten, named tool"]
     print("\n| records, category | n | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
     for name, t in totals.items():
         print(f"| {name} | {t['n']} | " + " | ".join(str(t[k]) for k in names) + " |")
@@ -206,6 +227,7 @@ def main() -> None:
     r.add_argument("--model", default="qwen2.5-coder-0.5b")
     r.add_argument("--category", default=",".join(CATEGORIES))
     r.add_argument("--limit", type=int, default=30)
+    r.add_argument("--start", type=int, default=0, help="skip the first START of those questions (split a run)")
     r.add_argument("--max-new-tokens", type=int, default=512)
     r.add_argument("--out", required=True)
     s = sub.add_parser("simulate")
