@@ -90,10 +90,8 @@ class Agent:
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``window``, ``max_string_length``, ``max_decimals``,
             ``grounding`` override its fields (None: keep). ``grounding`` (default True): calls judged by where their values come
-            from (``agent.grounding``): optional arguments the conversation does not write are dropped, a turn
-            whose calls take nothing from it is decoded again without those tools, and of several calls one whose
-            values are invented (neither written there nor its tool's ``enum``) is dropped where another takes
-            from it.
+            from (``agent.grounding``): optional arguments the conversation does not write are dropped, and a turn
+            whose calls take nothing from it is decoded again without those tools.
         draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
             (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
             ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU

@@ -21,8 +21,7 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .grounding import (Grounding, conversation_text, invents_every_value, schema_choices,
-                        takes_from_conversation, without_unwritten_optional)
+from .grounding import Grounding, conversation_text, takes_from_conversation, without_unwritten_optional
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
@@ -55,11 +54,9 @@ class EngineConfig:
             in ``stats.masked_end_argmax`` the positions where the model's argmax was an end-of-generation token the
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
         grounding: judge calls by where their values come from (``agent.grounding``; :meth:`LocalEngine.turn`):
-            optional arguments the conversation does not write are dropped, a turn whose calls take nothing
-            from the conversation is decoded again without those tools, and of several calls one whose values
-            are invented (``invents_every_value``: neither written there nor its tool's ``enum``) is dropped
-            where another takes from it. On by default; False returns the calls as the grammar-constrained
-            decode wrote them.
+            optional arguments the conversation does not write are dropped, and a turn whose calls take nothing
+            from the conversation is decoded again without those tools. On by default; False returns the calls as
+            the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
             is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish) and the
@@ -276,10 +273,9 @@ class LocalEngine:
         (``agent.grounding``): a turn none of whose calls takes a value from the conversation is decoded again
         with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
         text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
-        no retry takes from the conversation); of several calls, one whose values are invented
-        (:func:`agent.grounding.invents_every_value`) is dropped where another takes from it; and optional
-        arguments holding values the conversation does not write are dropped. ``text`` is the decoded text of the
-        turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's too.
+        no retry takes from the conversation), and optional arguments holding values the conversation does not
+        write are dropped. ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
+        ``on_text`` sees every decode's text, a discarded call's too.
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
@@ -303,11 +299,6 @@ class LocalEngine:
                 out = first  # a retry cut by the budget: the first turn stands
                 break
         out.stats = stats
-        if out.calls and len(out.calls) > 1:
-            # several calls: one whose values are invented is dropped where another takes from the conversation
-            offered = {t.name: schema_choices(t.parameters) for t in allowed}
-            taking = [c for c in out.calls if not invents_every_value(c, grounding, offered.get(c.get("name"), ()))]
-            out.calls = taking or out.calls
         if out.calls:
             out.calls = [without_unwritten_optional(c, allowed, grounding) for c in out.calls]
         return out

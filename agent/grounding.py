@@ -15,10 +15,7 @@ dev split (docs/benchmarks.md, "Values from the conversation") and both off with
   "who is park ji sung". ``LocalEngine`` decodes the turn again with those tools masked out of the grammar (the
   prompt is unchanged, so its KV cache is reused); under ``tool_choice="auto"`` with no tool left, or once the
   retries are spent, the turn is a text answer; under ``"required"`` the first call stands when no tool's call
-  takes from the conversation. Of several calls in one turn, a call that takes nothing from the conversation
-  and holds a value neither written there nor offered by its tool's ``enum`` (:func:`invents_every_value`) is
-  dropped where another takes from it (``briefs.display_cases(case_id=["1234567890", …])`` invented beside the
-  two searches asked for).
+  takes from the conversation.
 
 The rules read text, not meaning: a value the model translates ("上海" → "Shanghai"), converts ("five" → 5) or
 infers correctly from no words at all counts as not written.
@@ -146,37 +143,6 @@ def takes_from_conversation(call: dict, grounding: Grounding) -> bool:
     number at all (nothing to judge), or one of them is mentioned (:meth:`Grounding.mentions`)."""
     values = [v for v in leaf_values(call.get("arguments")) if is_text_or_number(v)]
     return not values or any(grounding.mentions(v) for v in values)
-
-
-def schema_choices(schema: Any) -> list:
-    """The strings and numbers a JSON Schema offers as choices: every ``enum`` member and ``const`` at any depth
-    (booleans, null, arrays and objects left out)."""
-    found: list = []
-    if isinstance(schema, dict):
-        for key, sub in schema.items():
-            if key == "enum" and isinstance(sub, list):
-                found += [v for v in sub if is_text_or_number(v)]
-            elif key == "const":
-                found += [sub] if is_text_or_number(sub) else []
-            else:
-                found += schema_choices(sub)
-    elif isinstance(schema, list):
-        for sub in schema:
-            found += schema_choices(sub)
-    return found
-
-
-def invents_every_value(call: dict, grounding: Grounding, choices: Iterable = ()) -> bool:
-    """Whether ``call`` takes nothing from the conversation (:func:`takes_from_conversation` is False) and holds a
-    string or number the conversation does not write at all (``value not in grounding``) and that is not one of
-    the tool's own ``choices`` (:func:`schema_choices`: an ``enum`` member is chosen, not invented: a Korean command
-    of the tool's enum for an English request). A call of short values that the text holds (``note="C"``: too
-    short to count as a mention) is not judged invented."""
-    offered = list(choices)
-    values = [v for v in leaf_values(call.get("arguments")) if is_text_or_number(v)]
-    return not takes_from_conversation(call, grounding) and any(
-        v not in grounding and not any(isinstance(v, str) == isinstance(c, str) and v == c for c in offered)
-        for v in values)
 
 
 def drop_unwritten_optional(call: dict, parameters: dict, grounding: Grounding) -> dict:

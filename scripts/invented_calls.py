@@ -1,12 +1,15 @@
-"""Of several calls in one turn, drop those that invent every value: the rule scored on recorded bfcl outputs.
+"""Of several calls in one turn, drop those that invent every value: a rule tried and not adopted (2026-12-04).
 
-``LocalEngine.turn`` drops, from a turn of several calls, each call that takes nothing from the conversation and
-holds a value the conversation does not write nor its tool offers as an ``enum`` / ``const``
-(``agent.grounding.invents_every_value``), where another call takes from it. The rule acts on decoded calls only (the decode is the same with it or without it), so the verdicts of a
-recording made without it, re-scored with it, are what the bfcl command gives with it. Reads the output lines of
-``python -m agent bfcl`` (``ID<TAB>VALID<TAB>CORRECT<TAB>OUTPUT``) for the several-call categories, scores each
-turn's calls with and without the rule (the optional-argument rule applied to both, as the engine does; BFCL's
-official checker where installed) and prints the turns it changes and a table.
+The rule (:func:`invents_every_value`): from a turn of several calls, drop each call that takes nothing from the
+conversation (``agent.grounding.takes_from_conversation`` is False) and holds a string or number the conversation
+does not write at all and its tool does not offer as an ``enum`` / ``const`` (:func:`schema_choices`), where
+another call of the turn takes from the conversation. It acts on decoded calls only (the decode is the same with
+it or without it), so the verdicts of a recording, re-scored with it, are what the bfcl command would give with
+it. Reads the output lines of ``python -m agent bfcl`` (``ID<TAB>VALID<TAB>CORRECT<TAB>OUTPUT``) for the
+several-call categories, scores each turn's calls with and without the rule (the optional-argument rule applied
+to both, as the engine does; BFCL's official checker where installed) and prints the turns it changes and a
+table. Not in the engine: it drops calls asked for whose values the model derives (docs/benchmarks.md, "Of
+several calls, the invented one dropped").
 
 Usage::
 
@@ -18,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,10 +29,40 @@ sys.path.insert(0, str(ROOT))
 CATEGORIES = ("parallel", "parallel_multiple", "live_parallel", "live_parallel_multiple")
 
 
+def schema_choices(schema: Any) -> list:
+    """The strings and numbers a JSON Schema offers as choices: every ``enum`` member and ``const`` at any depth."""
+    from agent.grounding import is_text_or_number
+
+    found: list = []
+    if isinstance(schema, dict):
+        for key, sub in schema.items():
+            if key == "enum" and isinstance(sub, list):
+                found += [v for v in sub if is_text_or_number(v)]
+            elif key == "const":
+                found += [sub] if is_text_or_number(sub) else []
+            else:
+                found += schema_choices(sub)
+    elif isinstance(schema, list):
+        for sub in schema:
+            found += schema_choices(sub)
+    return found
+
+
+def invents_every_value(call: dict, grounding, choices: Iterable = ()) -> bool:
+    """Whether ``call`` takes nothing from the conversation and holds a string or number the conversation does not
+    write at all (``value not in grounding``) and that is not one of ``choices``."""
+    from agent.grounding import is_text_or_number, leaf_values, takes_from_conversation
+
+    offered = list(choices)
+    values = [v for v in leaf_values(call.get("arguments")) if is_text_or_number(v)]
+    return not takes_from_conversation(call, grounding) and any(
+        v not in grounding and not any(isinstance(v, str) == isinstance(c, str) and v == c for c in offered)
+        for v in values)
+
+
 def main() -> None:
     from agent.formats.hermes import HermesFormat
-    from agent.grounding import (Grounding, conversation_text, invents_every_value, schema_choices,
-                                 without_unwritten_optional)
+    from agent.grounding import Grounding, conversation_text, without_unwritten_optional
     from bench.bfcl import bfcl_turn, load_questions
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

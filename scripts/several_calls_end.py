@@ -21,9 +21,8 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``skip unwritten`` (``, named tool``): a call past the first holding a new value the conversation does not write
   is skipped and the turn goes on (:func:`skipping`).
 
-Every variant's calls pass the engine's rules on decoded calls before they are scored: of several calls, one that
-invents every value is dropped (``agent.grounding.invents_every_value``), and optional arguments the conversation
-does not write are dropped (``agent.grounding.without_unwritten_optional``).
+Every variant's calls pass the engine's optional-argument rule before they are scored
+(``agent.grounding.without_unwritten_optional``).
 
 Usage::
 
@@ -154,8 +153,7 @@ def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict
 
 def simulate(args) -> None:
     from agent.formats.hermes import HermesFormat
-    from agent.grounding import (Grounding, conversation_text, invents_every_value, leaf_values, schema_choices,
-                                 without_unwritten_optional)
+    from agent.grounding import Grounding, conversation_text, leaf_values, without_unwritten_optional
     from agent.parallel_calls import brings_new_values
     from bench.bfcl import bfcl_turn, load_questions
 
@@ -170,13 +168,8 @@ def simulate(args) -> None:
             grounding = Grounding(conversation_text(turn.messages))
             bounds = rec["bounds"]
             check = turn.check
-            def engine_rules(kept, turn=turn, grounding=grounding):  # what LocalEngine.turn does after the decode
-                offered = {t.name: schema_choices(t.parameters) for t in turn.tools}
-                taking = [c for c in kept if not invents_every_value(c, grounding, offered.get(c.get("name"), ()))] \
-                    if len(kept) > 1 else kept
-                return [without_unwritten_optional(c, turn.tools, grounding) for c in taking or kept]
-            turn = SimpleNamespace(ground_truth=turn.ground_truth,
-                                   check=lambda kept, check=check: check(engine_rules(kept)))
+            turn = SimpleNamespace(ground_truth=turn.ground_truth, check=lambda kept, check=check, turn=turn: check(
+                [without_unwritten_optional(c, turn.tools, grounding) for c in kept]))
 
             def model_ends(k: int) -> bool:  # after call k (1-based)
                 return k > len(bounds) or bounds[k - 1]["eog"] > bounds[k - 1]["open"]

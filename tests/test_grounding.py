@@ -6,8 +6,7 @@ import pytest
 
 from agent import Agent
 from agent.engine import DecodedTurn, EngineConfig, LocalEngine
-from agent.grounding import (Grounding, conversation_text, drop_unwritten_optional, invents_every_value,
-                             schema_choices, takes_from_conversation)
+from agent.grounding import Grounding, drop_unwritten_optional, takes_from_conversation
 from decoding import DecodeStats
 
 from test_formats import WEATHER
@@ -192,67 +191,3 @@ def test_an_argument_required_only_inside_allof_is_never_dropped(smol_dir):
     _, gen = scripted(smol_dir, "hermes", call_text("hermes", [("trip", {"city": "Lima", "days": 6})]), "<|im_end|>")
     res = Agent(gen, [trip]).run("Plan a trip.", tool_choice="required", max_steps=1)
     assert res.pending_calls[0].arguments == {"city": "Lima", "days": 6}
-
-
-OSLO = {"name": "get_time", "arguments": {"city": "Oslo"}}
-ASK_TWO = [{"role": "user", "content": "What time is it in Lima and in Oslo?"}]
-
-
-@pytest.mark.parametrize("grounding", [True, False])
-def test_of_several_calls_one_that_takes_nothing_from_the_conversation_is_dropped(smol_dir, monkeypatch, grounding):
-    _, gen = scripted(smol_dir, "hermes", "", None)
-    engine = LocalEngine(gen)
-    asked = _scripted_decodes(monkeypatch, engine, [_turn([LIMA, PARIS, OSLO])])
-    out = engine.turn(ASK_TWO, [WEATHER, TIME], "required", parallel_tool_calls=True,
-                      config=EngineConfig(grounding=grounding))
-    assert len(asked) == 1  # a call took from the conversation: no retry
-    assert out.calls == ([LIMA, OSLO] if grounding else [LIMA, PARIS, OSLO])
-
-
-def test_a_call_of_short_values_the_text_holds_is_not_judged_invented():
-    grounding = Grounding("Convert the note C to the Indian system, and what time is it in Lima?")
-    note = {"name": "note_conversion.indian", "arguments": {"note": "C"}}
-    assert not takes_from_conversation(note, grounding)  # "C" is too short to be a mention
-    assert not invents_every_value(note, grounding)  # but the text holds it: not invented, kept
-    assert invents_every_value({"name": "f", "arguments": {"note": "F#", "x": "Paris"}}, grounding)
-    assert not invents_every_value(LIMA, grounding)
-
-
-@pytest.mark.parametrize("offered", [True, False])
-def test_a_call_whose_values_its_tool_offers_as_choices_is_not_judged_invented(smol_dir, monkeypatch, offered):
-    """An ``enum`` member is the tool's own value, chosen, not invented: a Korean command of the tool's enum for
-    an English request is kept beside a call that takes from the conversation; the same value in a free string
-    is dropped."""
-    from schemas import Tool
-
-    command = {"type": "string", "description": "Room, appliance, operation, in Korean."}
-    if offered:
-        command["enum"] = ["거실, 에어컨, 실행", "다용도실, 통돌이, 중지"]
-    appliance = Tool.from_schema("appliance", {"type": "object", "properties": {"command": command},
-                                               "required": ["command"]})
-    on = {"name": "appliance", "arguments": {"command": "거실, 에어컨, 실행"}}
-    ask = [{"role": "user", "content": "What time is it in Lima? And turn on the air conditioner in the living room."}]
-    grounding = Grounding(conversation_text(ask))
-    assert invents_every_value(on, grounding) and not takes_from_conversation(on, grounding)
-    assert invents_every_value(on, grounding, schema_choices(appliance.parameters)) is not offered
-    _, gen = scripted(smol_dir, "hermes", "", None)
-    engine = LocalEngine(gen)
-    _scripted_decodes(monkeypatch, engine, [_turn([LIMA, on])])
-    out = engine.turn(ask, [TIME, appliance], "required", parallel_tool_calls=True)
-    assert out.calls == ([LIMA, on] if offered else [LIMA])
-
-
-def test_schema_choices_reads_enum_and_const_at_any_depth():
-    schema = {"type": "object", "properties": {
-        "unit": {"enum": ["celsius", "fahrenheit", None, True]},
-        "opts": {"type": "array", "items": {"anyOf": [{"const": 3}, {"const": {"a": 1}}]}}}}
-    assert schema_choices(schema) == ["celsius", "fahrenheit", 3]
-
-
-def test_several_calls_that_all_take_nothing_are_decoded_again_not_emptied(smol_dir, monkeypatch):
-    _, gen = scripted(smol_dir, "hermes", "", None)
-    engine = LocalEngine(gen)
-    rome = {"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}
-    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS, rome]), _turn([ROME])])
-    out = engine.turn(ASK_TWO, [WEATHER, TIME], "required", parallel_tool_calls=True)
-    assert len(asked) == 2 and out.calls == [PARIS, rome]  # the retry took nothing either: the first turn stands
