@@ -39,6 +39,42 @@ _NUMBER_WORDS.update({w: i for i, w in enumerate(
     "first second third fourth fifth sixth seventh eighth ninth tenth".split(), 1)})
 _NUMBER_WORDS.update({"hundred": 100, "thousand": 1000, "million": 10 ** 6, "dozen": 12, "twice": 2, "once": 1})
 _PERCENT = re.compile(r"\s*(?:%|per\s*cent)", re.IGNORECASE)
+# cardinals that combine into one number: "twenty-five", "two hundred and fifty", "three thousand"
+_UNITS = {w: _NUMBER_WORDS[w] for w in "one two three four five six seven eight nine".split()}
+_TEENS = {w: _NUMBER_WORDS[w] for w in "zero ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen "
+                                           "nineteen".split()}
+_TENS = {w: _NUMBER_WORDS[w] for w in "twenty thirty forty fifty sixty seventy eighty ninety".split()}
+_SMALL = {**_UNITS, **_TEENS, **_TENS}
+_SCALES = {"thousand": 1000, "million": 10 ** 6}
+_CARDINAL = "|".join(sorted([*_UNITS, *_TEENS, *_TENS, "hundred", *_SCALES], key=len, reverse=True))
+_CARDINAL_RUN = re.compile(rf"\b(?:{_CARDINAL})(?:(?:\s+and\s+|[\s-]+)(?:{_CARDINAL}))+\b")
+
+
+def compound_numbers(text: str) -> set[int]:
+    """The numbers that runs of cardinal words in ``text`` (case-folded) write: "twenty-five" 25, "two hundred and
+    fifty" 250, "one thousand two hundred" 1200. A word that cannot continue the number before it ("five six")
+    starts a new one; a lone word is not a run (``Grounding`` reads those one at a time)."""
+    found: set[int] = set()
+    for run in _CARDINAL_RUN.finditer(text):
+        total, current, last = 0, 0, None  # last: the kind of the previous word
+        for w in re.findall(r"[a-z]+", run.group()):
+            if w == "and":
+                continue
+            kind = ("unit" if w in _UNITS else "teen" if w in _TEENS else "tens" if w in _TENS
+                    else "hundred" if w == "hundred" else "scale")
+            if (kind in ("unit", "teen", "tens") and last in ("unit", "teen")) or (
+                    kind in ("teen", "tens") and last == "tens"):
+                found.add(total + current)  # "five six": two numbers
+                total, current = 0, 0
+            if kind == "hundred":
+                current = max(current, 1) * 100
+            elif kind == "scale":
+                total, current = total + max(current, 1) * _SCALES[w], 0
+            else:
+                current += _SMALL[w]
+            last = kind
+        found.add(total + current)
+    return found
 
 
 def conversation_text(messages: list[dict]) -> str:
@@ -79,9 +115,10 @@ def is_text_or_number(value: Any) -> bool:
 
 class Grounding:
     """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
-    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen"), a string found in the
-    text ignoring case and runs of whitespace; booleans and null always (``value in grounding``). :meth:`mentions`
-    is looser: a string one of whose words is written counts."""
+    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen", and a run of them as
+    the number it writes: "twenty-five", "two hundred and fifty"), a string found in the text ignoring case and
+    runs of whitespace; booleans and null always (``value in grounding``). :meth:`mentions` is looser: a string
+    one of whose words is written counts."""
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign
@@ -94,6 +131,7 @@ class Grounding:
             if _PERCENT.match(text, m.end()):  # "95%" is also 0.95
                 self.numbers.add(number_key(x / 100))
         self.numbers |= {_NUMBER_WORDS[w] for w in self.words if w in _NUMBER_WORDS}
+        self.numbers |= compound_numbers(self.text)
 
     def __contains__(self, value: Any) -> bool:
         if value is None or isinstance(value, bool):

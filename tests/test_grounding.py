@@ -27,6 +27,32 @@ def test_mentions_reads_words_numbers_and_scripts_without_spaces():
     assert 2 in g and 3 in g and 4 not in g
 
 
+def test_number_words_that_run_together_write_one_number():
+    from agent.grounding import compound_numbers
+
+    g = Grounding("Set a timer for Twenty-Five minutes, then two hundred and fifty steps")
+    assert 25 in g and 250 in g and 20 in g and 5 in g and 200 not in g and 26 not in g
+    assert compound_numbers("one hundred twenty-three thousand four hundred fifty-six") == {123456}
+    assert compound_numbers("a hundred and five, ninety nine, three million") == {105, 99, 3_000_000}
+    assert compound_numbers("five six and one and two") == {5, 6, 1, 2}  # units do not add up
+    assert compound_numbers("the twenty-first of five") == set()  # a lone cardinal: read word by word
+
+
+def test_a_call_holding_a_number_written_in_words_is_not_decoded_again(smol_dir, monkeypatch):
+    """Before, "twenty-five" read as 20 and 5 only: ``set_timer(minutes=25)`` took nothing from the conversation,
+    so the turn was decoded again without the tool (under ``auto``: a text answer)."""
+    from schemas import Tool
+
+    timer = Tool.from_schema("set_timer", {"type": "object", "properties": {"minutes": {"type": "integer"}},
+                                           "required": ["minutes"]})
+    call = {"name": "set_timer", "arguments": {"minutes": 25}}
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([call]), _turn(None, text="Done.")])
+    out = engine.turn([{"role": "user", "content": "Set a timer for twenty-five minutes."}], [timer], "auto")
+    assert out.calls == [call] and len(asked) == 1
+
+
 def test_boolean_literals_written_as_strings_are_not_judged():
     g = Grounding("Refresh the data, keep the state")  # BFCL's Java tools write booleans as "true" / "false"
     assert takes_from_conversation({"name": "refresh", "arguments": {"keepState": "true", "append": "false"}}, g)
