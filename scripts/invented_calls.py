@@ -30,21 +30,16 @@ CATEGORIES = ("parallel", "parallel_multiple", "live_parallel", "live_parallel_m
 
 
 def schema_choices(schema: Any) -> list:
-    """The strings and numbers a JSON Schema offers as choices: every ``enum`` member and ``const`` at any depth."""
+    """The strings and numbers a JSON Schema offers as choices: every ``enum`` member and ``const`` of every
+    subschema (``schemas.check.walk``)."""
     from agent.grounding import is_text_or_number
+    from schemas.check import walk
 
     found: list = []
-    if isinstance(schema, dict):
-        for key, sub in schema.items():
-            if key == "enum" and isinstance(sub, list):
-                found += [v for v in sub if is_text_or_number(v)]
-            elif key == "const":
-                found += [sub] if is_text_or_number(sub) else []
-            else:
-                found += schema_choices(sub)
-    elif isinstance(schema, list):
-        for sub in schema:
-            found += schema_choices(sub)
+    for _, node in walk(schema):
+        enum = node.get("enum")
+        members = (enum if isinstance(enum, list) else []) + ([node["const"]] if "const" in node else [])
+        found += [v for v in members if is_text_or_number(v)]
     return found
 
 
