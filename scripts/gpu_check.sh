@@ -6,6 +6,8 @@
 #
 #   scripts/gpu_check.sh                      # with .venv/bin/python (needs a CUDA build of torch)
 #   PYTHON=/path/to/python scripts/gpu_check.sh
+#   SMOL_TOK_DIR=dir scripts/gpu_check.sh     # no SmolLM2 package there: its tokenizer files from dir
+#                                             # (config.json, tokenizer*.json from ~/.cache/specagent/models/<sha>)
 #
 # Exits 2 when CUDA is not available (the tests would only be skipped).
 set -euo pipefail
@@ -20,4 +22,9 @@ if not torch.cuda.is_available():
     sys.exit(2)
 print(f"device: {torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
 PYEOF
-exec "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py "$@"
+PLUGIN=()
+if [ -n "${SMOL_TOK_DIR:-}" ]; then
+  export PYTHONPATH="$PWD/scripts:$PYTHONPATH"
+  PLUGIN=(-p gpu_tokenizer_plugin)
+fi
+exec "$PY" -m pytest -q -m gpu -p no:cacheprovider "${PLUGIN[@]}" tests/test_gpu.py "$@"
