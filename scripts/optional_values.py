@@ -12,6 +12,10 @@ exactly on the output of ``python -m agent bfcl`` (one ``ID<TAB>VALID<TAB>CORREC
 * ``grounded, strings only`` / ``grounded, numbers only``: the same, judging only string / only number values;
 * ``grounded, not enums``: as ``grounded``, but a value from the parameter's ``enum`` is kept;
 * ``grounded or default``: as ``grounded``, but a value equal to the parameter's ``default`` is kept;
+* ``grounded, enum items``: as ``grounded``, and in every argument (required too) an array of ``enum`` strings
+  keeps only its items written in the conversation, where at least one is (and ``minItems`` still holds):
+  ``specific_info: ["overview", "causalities", "date"]`` for "find an overview" becomes ``["overview"]``
+  (:func:`written_enum_items`; tried 2026-12-04, not adopted);
 * ``no optional``: every optional argument dropped.
 
 Beside them, ``takes nothing (right / wrong)`` counts the turns none of whose calls takes a value from the
@@ -35,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RULES = ("as decoded", "grounded", "grounded, strings only", "grounded, numbers only", "grounded, not enums",
-         "grounded or default", "no optional")
+         "grounded or default", "grounded, enum items", "no optional")
 
 
 def _category(question_id: str) -> str:
@@ -64,6 +68,24 @@ def keep(rule: str, value, spec: dict, grounding) -> bool:
     if rule == "grounded or default" and "default" in spec and spec["default"] == value:
         return True
     return all(v in grounding for v in leaf_values(value) if judged(v))
+
+
+def written_enum_items(value, spec: dict, grounding):
+    """``value`` with each array of ``enum`` strings (``spec``: its schema; nested objects' ``properties``
+    followed) reduced to its items written in the conversation (``item in grounding``), where at least one item is
+    written and the reduced array still has ``minItems``; else unchanged."""
+    if not isinstance(spec, dict):
+        return value
+    if isinstance(value, dict):
+        props = spec.get("properties") or {}
+        return {k: written_enum_items(v, props.get(k) or {}, grounding) for k, v in value.items()}
+    items = spec.get("items")
+    if (isinstance(value, list) and value and all(isinstance(x, str) for x in value) and isinstance(items, dict)
+            and isinstance(items.get("enum"), list)):
+        written = [x for x in value if x in grounding]
+        if written and len(written) >= spec.get("minItems", 0):
+            return written
+    return value
 
 
 def simulate(paths: list[str], split: str) -> None:
@@ -100,7 +122,10 @@ def simulate(paths: list[str], split: str) -> None:
                     schema = tool.parameters if tool is not None else {}
                     required = set(schema.get("required", []))
                     props = schema.get("properties", {})
-                    args = {k: v for k, v in (c.get("arguments") or {}).items()
+                    args = c.get("arguments") or {}
+                    if rule == "grounded, enum items":
+                        args = written_enum_items(args, schema, grounding)
+                    args = {k: v for k, v in args.items()
                             if k in required or keep(rule, v, props.get(k) or {}, grounding)}
                     kept.append({"name": c.get("name"), "arguments": args})
                 verdicts[rule] = turn.check(kept)
