@@ -6,7 +6,10 @@ into a typed :class:`ToolCall`.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
+import functools
 import inspect
 import json
 import re
@@ -107,16 +110,18 @@ class Tool:
         return call
 
     def invoke(self, call: ToolCall) -> Any:
-        """Run ``fn`` with the validated arguments of ``call``. Raises ToolError when the tool has no callable."""
+        """Run ``fn`` with the validated arguments of ``call`` and return its result; an ``async def`` tool (any
+        awaitable result) is awaited to completion, in a fresh event loop (on a helper thread when this thread
+        already runs one). Raises ToolError when the tool has no callable."""
         if self.fn is None:
             raise ToolError(f"tool {self.name!r} has no Python callable to run")
         value = call.value
         if isinstance(value, pydantic.BaseModel):
             if getattr(self, "_takes_model", False):
-                return self.fn(value)
+                return _awaited(self.fn(value))
             kwargs = {k: getattr(value, k) for k in type(value).model_fields}
-            return self.fn(**kwargs)
-        return self.fn(**value)
+            return _awaited(self.fn(**kwargs))
+        return _awaited(self.fn(**value))
 
     def to_openai(self) -> dict:
         """OpenAI tool dict ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
@@ -134,16 +139,22 @@ class Tool:
         Raises:
             ToolError: a parameter without annotation, or ``*args`` / ``**kwargs``.
         """
-        tool_name = name or fn.__name__
-        doc = inspect.getdoc(fn) or ""
+        inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial has no name or docstring
+        tool_name = name or getattr(inner, "__name__", None)
+        if not tool_name:
+            raise ToolError(f"cannot name a tool for {fn!r}: pass name= (Tool.from_function(fn, name=...))")
+        doc = inspect.getdoc(inner) or ""
         summary, arg_docs = _parse_docstring(doc)
         try:
             sig = inspect.signature(fn)
-            hints = _type_hints(fn)
+            hints = _type_hints(inner)
         except (TypeError, ValueError) as e:
             raise ToolError(f"tool {tool_name!r}: cannot read the signature of {fn!r}: {e}") from None
         fields: dict[str, Any] = {}
+        bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()  # fixed by the partial
         for pname, p in sig.parameters.items():
+            if pname in bound:
+                continue
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                 raise ToolError(f"tool {tool_name!r}: parameter {pname!r} is *args/**kwargs; tools need named, "
                                 f"typed parameters")
@@ -250,6 +261,22 @@ def _validate_value(value: Any, model: type[pydantic.BaseModel] | None, validato
         raise ToolCallError(f"{what} at {pointer or '/'} fails keyword {e.validator!r}: {e.message}",
                             tool=tool, pointer=pointer)
     return value
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _awaited(value: Any) -> Any:
+    """``value``, or what it resolves to when it is awaitable (the coroutine of an ``async def`` tool)."""
+    if not inspect.isawaitable(value):
+        return value
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no event loop in this thread: run one here
+        return asyncio.run(_await(value))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # this thread's loop is busy running us
+        return pool.submit(asyncio.run, _await(value)).result()
 
 
 def as_tool(obj: Any, *, strict: bool = True) -> Tool:

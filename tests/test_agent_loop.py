@@ -195,3 +195,58 @@ def test_sixteen_threads_match_sequential_runs(tiny_target):
     sequential = [agent.run(p, tool_choice="required", max_new_tokens=40, max_steps=1).raw_turns for p in prompts]
     threaded = agent.run_batch(prompts, max_workers=16, tool_choice="required", max_new_tokens=40, max_steps=1)
     assert [r.raw_turns for r in threaded] == sequential
+
+
+async def aget_time(timezone: str) -> str:
+    """Get the local time.
+
+    Args:
+        timezone: IANA time zone
+    """
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return f"14:05 in {timezone}"
+
+
+def test_an_async_tool_is_awaited_and_its_result_fed_back(tiny_target):
+    script = lambda p: '<tool_call>[{"name": "aget_time", "arguments": {"timezone": "Europe/Paris"}}]</tool_call>' \
+        if "<|im_start|>tool" not in p else "It is 14:05."
+    agent = Agent(ScriptedGenerator(tiny_target, script), [aget_time], drafter="none")
+    res = agent.run("What time is it in Europe/Paris?")
+    assert res.tool_calls[0].error is None and res.tool_calls[0].result == "14:05 in Europe/Paris"
+    assert "14:05 in Europe/Paris" in json.dumps(res.messages)
+
+
+def test_an_async_tool_runs_from_inside_a_running_event_loop(tiny_target):
+    import asyncio
+
+    script = lambda p: '<tool_call>[{"name": "aget_time", "arguments": {"timezone": "UTC"}}]</tool_call>' \
+        if "<|im_start|>tool" not in p else "done"
+    agent = Agent(ScriptedGenerator(tiny_target, script), [aget_time], drafter="none", tool_timeout=5)
+
+    async def main():
+        return agent.run("Time in UTC?"), Agent(ScriptedGenerator(tiny_target, script), [aget_time],
+                                                  drafter="none").run("Time in UTC?")
+    with_timeout, without = asyncio.run(main())
+    assert with_timeout.tool_calls[0].result == without.tool_calls[0].result == "14:05 in UTC"
+
+
+def test_a_partial_is_a_tool_without_its_bound_arguments(tiny_target):
+    import functools
+
+    def power(base: float, exp: float) -> float:
+        """Raise a number to a power.
+
+        Args:
+            base: the number
+            exp: the power
+        """
+        return base ** exp
+
+    script = lambda p: '<tool_call>[{"name": "power", "arguments": {"base": 3}}]</tool_call>' \
+        if "<|im_start|>tool" not in p else "nine"
+    agent = Agent(ScriptedGenerator(tiny_target, script), [functools.partial(power, exp=2.0)], drafter="none")
+    tool = agent.registry.get("power")
+    assert tool.description == "Raise a number to a power." and list(tool.parameters["properties"]) == ["base"]
+    assert agent.run("Square 3.").tool_calls[0].result == 9.0
