@@ -238,9 +238,26 @@ def cmd_bfcl(args) -> int:
     return 0
 
 
+def _check_bind(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address the server could not listen on (a port out of range, a host
+    that does not resolve or is not this machine's, a port in use). Raises :class:`UserError`."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on --host {host} --port {port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args) -> int:
     from .server import serve
 
+    _check_bind(args.host, args.port)
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
           concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
           api_key=args.api_key, request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,

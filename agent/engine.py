@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -279,6 +280,16 @@ class LocalEngine:
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        if (not out.is_call and response_format is None and out.stop_reason != "length"
+                and (mode == "none" or (messages and messages[-1].get("role") == "tool"))
+                and restates(out.text, tools, messages)):
+            # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
+            # answer is wanted (after tool results, or under "none"): decoded again as an answer that cannot
+            # start with a backtick (a code block, or "``json" around the fence)
+            again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                                 on_text, answer_only=True, answer_excludes=("`",))
+            again.stats = out.stats + again.stats
+            out = again
         if not config.grounding or not out.calls:
             return out
         grounding = Grounding(conversation_text(messages))
@@ -304,13 +315,14 @@ class LocalEngine:
         return out
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
-                exclude: set | None = None, answer_only: bool = False) -> DecodedTurn:
+                exclude: set | None = None, answer_only: bool = False,
+                answer_excludes: tuple[str, ...] = ()) -> DecodedTurn:
         """One decode of the turn (:meth:`turn` without the grounding rules); ``exclude``: tool names masked out of
         the grammar (the prompt still lists every tool); ``answer_only``: a text answer (``tool_choice="none"``'s
-        grammar under the same prompt)."""
+        grammar under the same prompt); ``answer_excludes``: openings the answer may not start with."""
         ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
                                                     parallel_tool_calls, config, exclude=exclude,
-                                                    answer_only=answer_only)
+                                                    answer_only=answer_only, answer_excludes=answer_excludes)
         parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
@@ -390,7 +402,7 @@ class LocalEngine:
         return self.generator.context_length
 
     def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, *,
-                 exclude: set | None = None, answer_only: bool = False):
+                 exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = ()):
         """``(prompt ids, turn grammar, callable tools, tool_choice mode)``; ``exclude`` / ``answer_only``: see
         :meth:`_decode`."""
         allowed, mode = filter_tools(tools, tool_choice)
@@ -406,7 +418,8 @@ class LocalEngine:
                                            after_results=messages[-1]["role"] == "tool",
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
-                                           else 2, answer_opens_no_call=True if answer_only else None)
+                                           else 2, answer_opens_no_call=True if answer_only else None,
+                                           answer_excludes=answer_excludes)
         return self.format.render(messages, list(tools)), grammar, allowed, mode
 
     def _opens_call(self, text: str) -> bool:
@@ -443,6 +456,44 @@ class LocalEngine:
             return False
         state.consume_many(tokens)
         return state.is_accepting()
+
+
+FENCE = "```"  # opens a Markdown code block
+
+
+def answer_json(text: str) -> tuple[bool, Any]:
+    """``(True, value)`` when a text answer is only JSON: ``text`` (whitespace stripped) is one Markdown code block
+    (```` ```json ```` or a bare fence) holding a JSON value, or a JSON value; else ``(False, None)`` (text around
+    the block, several blocks, JSON that does not parse)."""
+    body = text.strip()
+    if body.startswith(FENCE):
+        _, _, rest = body.partition("\n")  # past the fence line (```json)
+        rest = rest.rstrip()
+        if not rest.endswith(FENCE) or FENCE in rest[:-len(FENCE)]:
+            return False, None
+        body = rest[:-len(FENCE)].strip()
+    try:
+        return True, json.loads(body)
+    except ValueError:
+        return False, None
+
+
+def restates(text: str, tools: list[Tool], messages: list[dict]) -> bool:
+    """Whether a text answer only restates: it is only JSON (:func:`answer_json`) and that JSON is a tool call — an
+    object, or a list whose first item is one, with a ``"name"`` naming one of ``tools`` (how Qwen2.5-Coder writes
+    a call outside its ``<tool_call>`` layout) — or the content of one of the ``tool`` messages (a result echoed)."""
+    is_json, value = answer_json(text)
+    if not is_json:
+        return False
+    first = value[0] if isinstance(value, list) and value else value
+    if isinstance(first, dict) and first.get("name") in {t.name for t in tools}:
+        return True
+    for m in messages:
+        if m.get("role") == "tool" and isinstance(m.get("content"), str):
+            ok, result = answer_json(m["content"])
+            if ok and result == value:
+                return True
+    return False
 
 
 def build_engine(spec: tuple) -> Engine:

@@ -111,7 +111,7 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     response = _response_format(body.get("response_format"))
     config = _config(body, base)
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop  # {} or 0 is no list: refused
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
     stream = body.get("stream", False) or False

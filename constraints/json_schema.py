@@ -16,7 +16,7 @@ from typing import Any
 import llguidance
 
 from schemas.check import find_keyword, walk
-from schemas.narrow import calendar_dates
+from schemas.narrow import calendar_dates, narrowable_nodes
 from schemas.errors import SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
@@ -279,8 +279,11 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     elif schema is False:
         raise SchemaError("schema false admits no value: nothing can be generated", keyword="false", tool=tool)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(engine_schema(_normalise_counts(schema)),
-                                                                overrides=options)
+        engine = engine_schema(_normalise_counts(schema))
+    except SchemaError as e:  # a keyword value the engine cannot write (named), with the tool's name
+        raise SchemaError(e.problems[0][2], pointer=e.pointer, keyword=e.keyword, tool=tool) from None
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(engine, overrides=options)
     except ValueError as e:
         raise compile_error_to_schema_error(schema, str(e), tool=tool) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -289,10 +292,39 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     return grammar
 
 
+# llguidance writes a string's length bounds as a regex repetition, which parses up to 2**31 - 1
+MAX_STRING_LENGTH_BOUND = 2 ** 31 - 1
+
+
+def capped_lengths(schema: Any) -> Any:
+    """``schema`` with each ``maxLength`` above :data:`MAX_STRING_LENGTH_BOUND` lowered to it (a narrowing: no
+    turn writes two billion characters; outputs are validated against the original anyway), where narrowing the
+    node narrows the whole (:func:`schemas.narrow.narrowable_nodes`). Returned as is when none is that large.
+    Raises :class:`SchemaError` for a ``minLength`` above it (no string that long can be generated)."""
+    def too_long(node: dict, k: str) -> bool:
+        v = node.get(k)
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_STRING_LENGTH_BOUND
+
+    found = [(path, node) for path, node in walk(schema) if too_long(node, "maxLength") or too_long(node, "minLength")]
+    if not found:
+        return schema
+    for path, node in found:
+        if too_long(node, "minLength"):
+            raise SchemaError(f"keyword 'minLength' at {json_pointer(path + ('minLength',))} asks for more than "
+                              f"{MAX_STRING_LENGTH_BOUND} characters: no such string can be generated",
+                              pointer=json_pointer(path + ("minLength",)), keyword="minLength")
+    schema = copy.deepcopy(schema)
+    for node in narrowable_nodes(schema):
+        if too_long(node, "maxLength"):
+            node["maxLength"] = MAX_STRING_LENGTH_BOUND
+    return schema
+
+
 def engine_schema(schema: Any) -> Any:
     """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): real calendar dates
-    (:func:`schemas.narrow.calendar_dates`) and exact integer bounds (:func:`exact_bounds`)."""
-    return exact_bounds(calendar_dates(schema))
+    (:func:`schemas.narrow.calendar_dates`), string lengths it can write (:func:`capped_lengths`) and exact integer
+    bounds (:func:`exact_bounds`)."""
+    return exact_bounds(capped_lengths(calendar_dates(schema)))
 
 
 def schema_compiles(schema: Any, lenient: bool = False) -> bool:

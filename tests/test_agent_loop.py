@@ -250,3 +250,74 @@ def test_a_partial_is_a_tool_without_its_bound_arguments(tiny_target):
     tool = agent.registry.get("power")
     assert tool.description == "Raise a number to a power." and list(tool.parameters["properties"]) == ["base"]
     assert agent.run("Square 3.").tool_calls[0].result == 9.0
+
+
+class CountingScript:
+    """A script whose answer turns (after tool results) come from ``answers`` in turn; calls add(2, 40) first."""
+
+    def __init__(self, *answers: str, first: str = '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 40}}]'
+                                                         '</tool_call>'):
+        self.answers, self.first, self.grammars = list(answers), first, []
+
+    def __call__(self, prompt: str) -> str:
+        if self.first and "<|im_start|>tool" not in prompt:
+            return self.first
+        return self.answers.pop(0)
+
+
+class GrammarRecorder(ScriptedGenerator):
+    def generate(self, prompt, grammar, **kw):
+        self.script.grammars.append(grammar)
+        return super().generate(prompt, grammar, **kw)
+
+
+def _refuses(gen, grammar, text: str) -> bool:
+    state = ConstraintState(gen.llg_tokenizer, grammar)
+    try:
+        state.consume_many(gen.tokenizer.encode(text, add_special_tokens=False))
+    except Exception:
+        return True
+    return False
+
+
+def test_an_answer_that_restates_the_call_as_json_is_decoded_again_as_an_answer(tiny_target):
+    script = CountingScript('```json\n{"name": "add", "arguments": {"a": 42, "b": 40}}\n```', "The sum is 42.")
+    gen = GrammarRecorder(tiny_target, script)
+    res = Agent(gen, [add], drafter="none").run("2 plus 40?")
+    assert res.tool_calls[0].result == 42 and res.final_answer == "The sum is 42."
+    assert len(script.grammars) == 3  # the call, the restating answer, the answer again
+    assert _refuses(gen, script.grammars[2], "`") and not _refuses(gen, script.grammars[1], "```json\n")
+
+
+def test_an_answer_that_echoes_a_tool_result_is_decoded_again(tiny_target):
+    script = CountingScript('```json\n{"error": "RuntimeError: kaboom"}\n```', "The tool failed.")
+
+    def boom(a: int, b: int) -> int:
+        """Add two integers."""
+        raise RuntimeError("kaboom")
+    boom.__name__ = "add"
+    res = Agent(GrammarRecorder(tiny_target, script), [boom], drafter="none").run("2 plus 40?")
+    assert res.tool_calls[0].error == "RuntimeError: kaboom" and res.final_answer == "The tool failed."
+
+
+def test_a_json_answer_that_is_no_call_and_no_result_stands(tiny_target):
+    script = CountingScript('```json\n{"total": 42}\n```', "unused")
+    res = Agent(GrammarRecorder(tiny_target, script), [add], drafter="none").run("2 plus 40?")
+    assert res.final_answer == '```json\n{"total": 42}\n```' and script.answers == ["unused"]
+
+
+def test_a_call_written_as_text_under_tool_choice_none_is_decoded_again(tiny_target):
+    script = CountingScript('{"name": "add", "arguments": {"a": 1, "b": 2}}', "Hello!", first="")
+    res = Agent(GrammarRecorder(tiny_target, script), [add], drafter="none").run("Say hello.", tool_choice="none")
+    assert res.final_answer == "Hello!" and not res.tool_calls
+
+
+def test_answer_json_reads_only_a_lone_json_block():
+    from agent.engine import answer_json
+
+    assert answer_json('```json\n{"a": 1}\n```') == (True, {"a": 1})
+    assert answer_json(' {"a": [1, 2]} ') == (True, {"a": [1, 2]})
+    assert answer_json('Here: ```json\n{"a": 1}\n```') == (False, None)
+    assert answer_json('```json\n{"a": 1}\n```\nand ```json\n{"b": 2}\n```') == (False, None)
+    assert answer_json('```json\n{"a": 1}\n``` that is all') == (False, None)
+    assert answer_json("42 apples")[0] is False

@@ -79,6 +79,23 @@ def test_cli_refuses_disagreeing_backend_flags_and_bad_threads(capsys):
     assert "--threads must be >= 1" in capsys.readouterr().err
 
 
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_the_model(capsys, monkeypatch):
+    import socket
+
+    import agent.server
+    from agent.__main__ import main
+
+    monkeypatch.setattr(agent.server, "serve", lambda *a, **k: pytest.fail("the model would load"))
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "--port must be in 0..65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+        assert f"cannot listen on --host 127.0.0.1 --port {port}" in capsys.readouterr().err
+
+
 def test_a_new_backend_row_loads_and_decodes_for_the_agent(fake_backend):
     from agent import Agent
 

@@ -281,3 +281,23 @@ def test_a_property_named_like_a_keyword_is_still_narrowed():
     schema = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "integer"}}}
     out = bound_integers(schema)["properties"]
     assert out["not"]["maximum"] == out["if"]["maximum"] == 2 ** 53 - 1
+
+
+@pytest.mark.parametrize("max_length", [2 ** 32, 10 ** 12])
+def test_a_huge_max_length_is_accepted_and_bounds_nothing_a_turn_can_write(llt, smol_tokenizer, max_length):
+    from constraints import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": max_length}},
+              "required": ["a"]}
+    tool = Tool.from_schema("f", schema)  # was: "keyword 'pattern' at / cannot be enforced" (there is no pattern)
+    grammar = json_schema_grammar(schema)
+    assert accepts(llt, smol_tokenizer, grammar, '{"a":"' + "x" * 300 + '"}')
+    assert tool.validate({"a": "hello"}) == {"a": "hello"}
+
+
+def test_a_min_length_no_string_can_reach_is_named():
+    from schemas import SchemaError
+
+    with pytest.raises(SchemaError, match="keyword 'minLength' at /properties/a/minLength") as err:
+        Tool.from_schema("f", {"type": "object", "properties": {"a": {"type": "string", "minLength": 2 ** 32}}})
+    assert err.value.pointer == "/properties/a/minLength" and err.value.tool == "f"

@@ -206,6 +206,8 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
     (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": {}}}]),
      "tools[0].function.strict"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(extra_body={"stop": {}}), "stop"),
+    (dict(extra_body={"stop": 0}), "stop"),
 ])
 def test_bad_requests_get_400_naming_the_field(client, kwargs, field):
     args = dict(model="tiny", messages=user("hi"), max_tokens=4)

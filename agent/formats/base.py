@@ -66,7 +66,8 @@ class ToolFormat:
                      response_format: dict | None = None, max_string_length: int | None = None,
                      max_decimals: int | None = None, after_results: bool = False,
                      lenient_answer: bool = False, min_calls: int = 2,
-                     answer_opens_no_call: bool | None = None) -> Grammar:
+                     answer_opens_no_call: bool | None = None,
+                     answer_excludes: tuple[str, ...] = ()) -> Grammar:
         """The grammar of one assistant turn.
 
         Args:
@@ -87,6 +88,8 @@ class ToolFormat:
             answer_opens_no_call: a text answer may not start with what opens a call (``call_prefixes``); None:
                 where calls are allowed too (so text and calls are told apart). True also under ``"none"``: the
                 answer the engine decodes instead of a call that took nothing from the conversation.
+            answer_excludes: more openings a text answer may not start with (the engine passes a code fence when
+                it decodes again an answer that was a call written as JSON: ``LocalEngine.turn``).
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
@@ -111,7 +114,8 @@ class ToolFormat:
                 rules.append(f"answer: {lark_json(answer, separators=SEPARATORS, lenient=lenient_answer)}")
             else:
                 no_call = bool(start) if answer_opens_no_call is None else answer_opens_no_call
-                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(self.call_prefixes() if no_call else ())}/")
+                excluded = (tuple(self.call_prefixes()) if no_call else ()) + tuple(answer_excludes)
+                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(excluded)}/")
             start.append("answer")
         return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
 
