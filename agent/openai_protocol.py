@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import ResponseFormat, SchemaError, ToolCall, ToolError, ToolRegistry, as_tool
+from schemas import ResponseFormat, SchemaError, ToolCall, ToolCallError, ToolError, ToolRegistry, as_tool
 
 from .engine import DecodedTurn, EngineConfig
 
@@ -309,23 +309,39 @@ class Choice:
     content: str | None
     tool_calls: list[ToolCall]
     finish_reason: str
+    validation_error: str | None = None  # a relaxed schema's output that failed validation (then content is text)
 
 
 def make_choice(req: ChatRequest, turn: DecodedTurn) -> Choice:
     """The validated answer for ``turn``: a cut call or structured output is never returned (``content`` None);
     a several-call turn cut by the budget returns the whole calls before the cut one, with ``"length"``.
 
+    Where a schema was relaxed (a ``"strict": false`` tool or ``response_format``) and the decoded call or
+    structured output fails validation, no call is returned: ``content`` is the decoded text, ``finish_reason``
+    ``"stop"`` and ``validation_error`` says what failed (the choice's ``validation_error`` field), so a client
+    gets a 200 it can act on rather than a 5xx its library retries.
+
     Raises:
-        ToolCallError: a decoded call or structured output fails validation (possible only where a schema was
-            relaxed: ``"strict": false`` tools); the server answers 500.
+        ToolCallError: a call of a strict tool or a strict structured output fails validation (the grammar should
+            have made that impossible: the server answers 500).
     """
     if turn.is_call:  # cut by the budget: the whole calls before the cut one (several-call turns), "length"
-        calls = [req.registry.parse_call(c) for c in turn.calls or []]
+        try:
+            calls = [req.registry.parse_call(c) for c in turn.calls or []]
+        except ToolCallError as e:
+            if all(t.strict for t in req.registry):
+                raise
+            return Choice(turn.text, [], "stop", str(e))
         return Choice(None, calls, "length" if turn.truncated else "tool_calls")
     if req.response is not None:
         if turn.truncated:
             return Choice(None, [], "length")
-        req.response.validate(json.loads(turn.text))
+        try:
+            req.response.validate(json.loads(turn.text))
+        except (ToolCallError, ValueError) as e:
+            if req.response.strict:
+                raise
+            return Choice(turn.text, [], "stop", str(e))
         return Choice(turn.text, [], "stop")
     text, hit = cut_at_stop(turn.text, req.stop)
     return Choice(text, [], "stop" if hit or not turn.truncated else "length")
@@ -356,9 +372,11 @@ def completion(req: ChatRequest, choice: Choice, turn: DecodedTurn) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": choice.content, "refusal": None}
     if choice.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in choice.tool_calls]
+    out = {"index": 0, "message": message, "logprobs": None, "finish_reason": choice.finish_reason}
+    if choice.validation_error is not None:
+        out["validation_error"] = choice.validation_error
     return {"id": new_id(), "object": "chat.completion", "created": int(time.time()), "model": req.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.finish_reason}],
-            "usage": usage(turn, req.config)}
+            "choices": [out], "usage": usage(turn, req.config)}
 
 
 def new_id() -> str:

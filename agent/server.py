@@ -7,7 +7,9 @@ answers 429 with ``Retry-After``. A request is counted from its admission, strea
 A bad request gets 400 naming the field (``agent/openai_protocol.py``; 404 for a model not served, for an unknown
 route too, in OpenAI's error shape); a failed decode gets 500 with its message (never an exception class name), and
 the server keeps serving: whatever fails after admission, the request's slot is freed. Every returned call and
-structured output was decoded under its grammar and validated, as in :class:`Agent`.
+structured output was decoded under its grammar and validated, as in :class:`Agent`; where a relaxed schema's
+(``"strict": false``) output fails validation, the choice holds the decoded text and ``validation_error``
+(``openai_protocol.make_choice``).
 
 Limits (flags of ``python -m agent serve``; :func:`create_app` arguments):
     ``--api-key`` / ``SPECAGENT_API_KEY``: ``Authorization: Bearer KEY`` on every route but ``/health`` (401).
@@ -427,7 +429,10 @@ async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asy
             yield event(chunk(cid, req, {"content": rest}))
         for delta in tool_call_deltas(choice.tool_calls):
             yield event(chunk(cid, req, delta))
-        yield event(chunk(cid, req, {}, choice.finish_reason))
+        last = chunk(cid, req, {}, choice.finish_reason)
+        if choice.validation_error is not None:
+            last["choices"][0]["validation_error"] = choice.validation_error
+        yield event(last)
         if req.include_usage:
             yield event(chunk(cid, req, None, usage_=usage(turn, req.config)))
         record(turn, 200, t0)
