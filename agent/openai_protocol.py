@@ -193,6 +193,8 @@ def _response_format(spec: Any) -> ResponseFormat | None:
     except SchemaError as e:
         raise RequestError("response_format.json_schema.schema" + (f" at {e.pointer}" if e.pointer else ""),
                            str(e)) from None
+    except RecursionError:
+        raise RequestError("response_format.json_schema.schema", "is nested too deeply to compile") from None
 
 
 def _config(body: dict, base: EngineConfig) -> EngineConfig:

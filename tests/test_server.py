@@ -177,6 +177,13 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
         [c.function.arguments for c in base.choices[0].message.tool_calls] and base.choices[0].message.tool_calls
 
 
+def deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(extra_body={"frequency_penalty_typo": 1}), "frequency_penalty_typo"),
     (dict(logprobs=True), "logprobs"),
@@ -206,6 +213,8 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
     (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": {}}}]),
      "tools[0].function.strict"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": deep_schema(300)}}),
+     "response_format.json_schema.schema"),
     (dict(extra_body={"stop": {}}), "stop"),
     (dict(extra_body={"stop": 0}), "stop"),
 ])
