@@ -237,7 +237,11 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
                 loop.call_soon_threadsafe(slot.release)
         slot.future = pool.submit(run)
         slot.future.add_done_callback(done)
-        return asyncio.wrap_future(slot.future, loop=loop)
+        wrapped = asyncio.wrap_future(slot.future, loop=loop)
+        # a stream whose client left never awaits its future: retrieve the Cancelled here, or asyncio logs it as
+        # "Future exception was never retrieved" with a traceback that looks like a crash
+        wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return wrapped
 
     async def admit(request: Request) -> tuple[ChatRequest, _Slot] | JSONResponse:
         """Everything decided before the status line: auth, draining, body size, the request's fields, the queue,
