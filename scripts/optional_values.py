@@ -16,6 +16,8 @@ exactly on the output of ``python -m agent bfcl`` (one ``ID<TAB>VALID<TAB>CORREC
   keeps only its items written in the conversation, where at least one is (and ``minItems`` still holds):
   ``specific_info: ["overview", "causalities", "date"]`` for "find an overview" becomes ``["overview"]``
   (:func:`written_enum_items`; tried 2026-12-04, not adopted);
+* ``grounded, nested``: as ``grounded``, and inside every argument's objects (at any depth, arrays' items too) a
+  key the object's schema does not require is dropped by the same test (:func:`nested_unwritten_dropped`);
 * ``no optional``: every optional argument dropped.
 
 Beside them, ``takes nothing (right / wrong)`` counts the turns none of whose calls takes a value from the
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RULES = ("as decoded", "grounded", "grounded, strings only", "grounded, numbers only", "grounded, not enums",
-         "grounded or default", "grounded, enum items", "no optional")
+         "grounded or default", "grounded, enum items", "grounded, nested", "no optional")
 
 
 def _category(question_id: str) -> str:
@@ -88,6 +90,24 @@ def written_enum_items(value, spec: dict, grounding):
     return value
 
 
+def nested_unwritten_dropped(value, spec: dict, grounding):
+    """``value`` with, in each object below it whose schema (``spec``, ``properties`` and ``items`` followed)
+    declares properties, the keys it does not require dropped where one of their strings or numbers is not
+    written in the conversation (``agent.grounding``'s test for optional arguments, one level down)."""
+    from agent.grounding import is_text_or_number, leaf_values
+
+    if not isinstance(spec, dict):
+        return value
+    if isinstance(value, list) and isinstance(spec.get("items"), dict):
+        return [nested_unwritten_dropped(v, spec["items"], grounding) for v in value]
+    props = spec.get("properties")
+    if not isinstance(value, dict) or not isinstance(props, dict):
+        return value
+    required = set(spec.get("required") or ())
+    return {k: nested_unwritten_dropped(v, props.get(k) or {}, grounding) for k, v in value.items()
+            if k in required or all(x in grounding for x in leaf_values(v) if is_text_or_number(x))}
+
+
 def simulate(paths: list[str], split: str) -> None:
     from agent.formats.hermes import HermesFormat
     from agent.grounding import Grounding, conversation_text, takes_from_conversation
@@ -125,6 +145,8 @@ def simulate(paths: list[str], split: str) -> None:
                     args = c.get("arguments") or {}
                     if rule == "grounded, enum items":
                         args = written_enum_items(args, schema, grounding)
+                    if rule == "grounded, nested":  # one level down from the arguments, then every level
+                        args = {k: nested_unwritten_dropped(v, props.get(k) or {}, grounding) for k, v in args.items()}
                     args = {k: v for k, v in args.items()
                             if k in required or keep(rule, v, props.get(k) or {}, grounding)}
                     kept.append({"name": c.get("name"), "arguments": args})
