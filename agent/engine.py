@@ -481,13 +481,16 @@ def answer_json(text: str) -> tuple[bool, Any]:
 def restates(text: str, tools: list[Tool], messages: list[dict]) -> bool:
     """Whether a text answer only restates: it is only JSON (:func:`answer_json`) and that JSON is a tool call — an
     object, or a list whose first item is one, with a ``"name"`` naming one of ``tools`` (how Qwen2.5-Coder writes
-    a call outside its ``<tool_call>`` layout) — or the content of one of the ``tool`` messages (a result echoed)."""
+    a call outside its ``<tool_call>`` layout) — or an object or list that is the content of one of the ``tool``
+    messages (a result echoed; a number or string that a tool returned is an answer)."""
     is_json, value = answer_json(text)
     if not is_json:
         return False
     first = value[0] if isinstance(value, list) and value else value
     if isinstance(first, dict) and first.get("name") in {t.name for t in tools}:
         return True
+    if not isinstance(value, (dict, list)):
+        return False  # "42" after a tool returned 42 is an answer
     for m in messages:
         if m.get("role") == "tool" and isinstance(m.get("content"), str):
             ok, result = answer_json(m["content"])

@@ -416,15 +416,20 @@ class TextStream:
     Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
     never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until its
     start shows whether it opens a call (``call_prefixes``: the format's call openers, e.g. ``"<"``, ``"{"``,
-    ``"```json"``); the last ``len(longest stop) - 1`` characters are held back so a stop sequence is never sent. What
+    ``"```json"``); after tool results or under ``"none"`` an answer opening with ``` ` ```, ``{`` or ``[`` is held
+    whole (the engine may decode it again: ``agent.engine.restates``); the last ``len(longest stop) - 1`` characters are held back so a stop sequence is never sent. What
     was sent is always a prefix of the final ``content``.
     """
 
     def __init__(self, req: ChatRequest, call_prefixes: tuple[str, ...]):
         mode = req.tool_choice if isinstance(req.tool_choice, str) else "required"
         self.live = req.response is None and mode != "required"
-        self.may_call = mode == "auto"
-        self.call_prefixes = tuple(call_prefixes)
+        # where the engine decodes again an answer that only restates a call or a result as JSON
+        # (agent.engine.restates: after tool results, or under "none"), such an answer is held too
+        restating = bool(list(req.registry)) and (mode == "none" or (
+            bool(req.messages) and req.messages[-1].get("role") == "tool"))
+        self.may_call = mode == "auto" or restating
+        self.call_prefixes = tuple(call_prefixes) + (("`", "{", "[") if restating else ())
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.stop = req.stop
         self.text = ""

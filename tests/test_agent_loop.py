@@ -321,3 +321,9 @@ def test_answer_json_reads_only_a_lone_json_block():
     assert answer_json('```json\n{"a": 1}\n```\nand ```json\n{"b": 2}\n```') == (False, None)
     assert answer_json('```json\n{"a": 1}\n``` that is all') == (False, None)
     assert answer_json("42 apples")[0] is False
+
+
+def test_an_answer_that_is_the_scalar_a_tool_returned_stands(tiny_target):
+    script = CountingScript("42", "unused")
+    res = Agent(GrammarRecorder(tiny_target, script), [add], drafter="none").run("2 plus 40?")
+    assert res.final_answer == "42" and script.answers == ["unused"]

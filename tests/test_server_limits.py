@@ -346,3 +346,22 @@ def test_sigterm_drains_new_requests_get_503_and_in_flight_ones_finish(engine):
     assert results[0].status_code == 200
     server.thread.join(30)
     assert not server.thread.is_alive()
+
+
+@pytest.mark.parametrize("first", ['```json\n{"name": "lookup", "arguments": {"q": "x"}}\n```',
+                                   '{"name": "lookup", "arguments": {"q": "x"}}'])
+def test_a_streamed_answer_the_engine_decodes_again_streams_only_the_final_answer(tiny_target, first):
+    from test_agent_loop import CountingScript, ScriptedGenerator
+
+    script = CountingScript(first, "It is x.", first="")
+    engine = LocalEngine(ScriptedGenerator(tiny_target, script))
+    after_result = user("x") + [{"role": "assistant", "tool_calls": [CALL]},
+                                {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    kw = dict(messages=after_result) if first.startswith("`") else dict(tool_choice="none")
+    with ServerThread(create_app(engine, model_name="gated", config=CONFIG)) as url:
+        r = post(url + "/chat/completions", body(stream=True, tools=TOOLS, **kw))
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert not any("error" in c for c in chunks), r.text
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert content == "It is x." and chunks[-1]["choices"][0]["finish_reason"] == "stop"
