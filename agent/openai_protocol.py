@@ -416,9 +416,10 @@ class TextStream:
     Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
     never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until its
     start shows whether it opens a call (``call_prefixes``: the format's call openers, e.g. ``"<"``, ``"{"``,
-    ``"```json"``); after tool results or under ``"none"`` an answer opening with ``` ` ```, ``{`` or ``[`` is held
-    whole (the engine may decode it again: ``agent.engine.restates``); the last ``len(longest stop) - 1`` characters are held back so a stop sequence is never sent. What
-    was sent is always a prefix of the final ``content``.
+    ``"```json"``); after tool results or under ``"none"`` an answer opening with a backtick, ``{`` or ``[`` is
+    held whole (the engine may decode it again: ``agent.engine.restates``); the last ``len(longest stop) - 1``
+    characters are held back so a stop sequence is never sent. What was sent is always a prefix of the final
+    ``content``.
     """
 
     def __init__(self, req: ChatRequest, call_prefixes: tuple[str, ...]):

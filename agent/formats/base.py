@@ -88,8 +88,8 @@ class ToolFormat:
             answer_opens_no_call: a text answer may not start with what opens a call (``call_prefixes``); None:
                 where calls are allowed too (so text and calls are told apart). True also under ``"none"``: the
                 answer the engine decodes instead of a call that took nothing from the conversation.
-            answer_excludes: more openings a text answer may not start with (the engine passes a code fence when
-                it decodes again an answer that was a call written as JSON: ``LocalEngine.turn``).
+            answer_excludes: more openings a text answer may not start with (the engine passes a backtick when it
+                decodes again an answer that only restated a call as JSON: ``LocalEngine.turn``).
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
