@@ -6,14 +6,13 @@ third question is a near-tie").
 import sys, numpy as np
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent))
 from agent import Agent
-from agent.engine import EngineConfig
 from agent.demo_tools import TOOLS
 import llama_cpp
 ag = Agent(tools=TOOLS, threads=1)
 eng = ag.engine
 tools = list(ag.registry)
-msgs = ag._initial_messages("How many feet are in 5 km?")
-ids, grammar, allowed, mode = eng._prepare(msgs, tools, "auto", None, None, EngineConfig())
+msgs = [{"role": "user", "content": "How many feet are in 5 km?"}]
+ids = ag.format.render(msgs, tools)  # the prompt the agent's first turn decodes after
 tok = eng.tokenizer
 cont = '<tool_call>\n{"name": "convert_length", "arguments": {"value": 5'
 cids = tok.encode(cont, add_special_tokens=False)

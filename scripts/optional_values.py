@@ -94,7 +94,7 @@ def nested_unwritten_dropped(value, spec: dict, grounding):
     """``value`` with, in each object below it whose schema (``spec``, ``properties`` and ``items`` followed)
     declares properties, the keys it does not require dropped where one of their strings or numbers is not
     written in the conversation (``agent.grounding``'s test for optional arguments, one level down)."""
-    from agent.grounding import is_text_or_number, leaf_values
+    from agent.grounding import drop_unwritten_optional
 
     if not isinstance(spec, dict):
         return value
@@ -103,9 +103,8 @@ def nested_unwritten_dropped(value, spec: dict, grounding):
     props = spec.get("properties")
     if not isinstance(value, dict) or not isinstance(props, dict):
         return value
-    required = set(spec.get("required") or ())
-    return {k: nested_unwritten_dropped(v, props.get(k) or {}, grounding) for k, v in value.items()
-            if k in required or all(x in grounding for x in leaf_values(v) if is_text_or_number(x))}
+    kept = drop_unwritten_optional({"arguments": value}, spec, grounding)["arguments"]  # the engine's rule
+    return {k: nested_unwritten_dropped(v, props.get(k) or {}, grounding) for k, v in kept.items()}
 
 
 def simulate(paths: list[str], split: str) -> None:
