@@ -281,8 +281,7 @@ class LocalEngine:
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
         if (not out.is_call and response_format is None and out.stop_reason != "length"
-                and (mode == "none" or (messages and messages[-1].get("role") == "tool"))
-                and restates(out.text, tools, messages)):
+                and answer_wanted(messages, mode) and restates(out.text, tools, messages)):
             # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
             # answer is wanted (after tool results, or under "none"): decoded again as an answer that cannot
             # start with a backtick (a code block, or "``json" around the fence)
@@ -476,6 +475,13 @@ def answer_json(text: str) -> tuple[bool, Any]:
         return True, json.loads(body)
     except ValueError:
         return False, None
+
+
+def answer_wanted(messages: list[dict], mode: str) -> bool:
+    """Whether the turn after ``messages`` under ``tool_choice`` mode ``mode`` wants an answer, not a call: it
+    follows tool results, or calls are off (``"none"``). There :meth:`LocalEngine.turn` decodes again an answer that
+    only :func:`restates` (and the server holds such an answer back while streaming)."""
+    return mode == "none" or (bool(messages) and messages[-1].get("role") == "tool")
 
 
 def restates(text: str, tools: list[Tool], messages: list[dict]) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from schemas import ResponseFormat, SchemaError, ToolCall, ToolCallError, ToolError, ToolRegistry, as_tool
 
-from .engine import DecodedTurn, EngineConfig
+from .engine import DecodedTurn, EngineConfig, answer_wanted
 
 STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
@@ -427,8 +427,7 @@ class TextStream:
         self.live = req.response is None and mode != "required"
         # where the engine decodes again an answer that only restates a call or a result as JSON
         # (agent.engine.restates: after tool results, or under "none"), such an answer is held too
-        restating = bool(list(req.registry)) and (mode == "none" or (
-            bool(req.messages) and req.messages[-1].get("role") == "tool"))
+        restating = bool(list(req.registry)) and answer_wanted(req.messages, mode)
         self.may_call = mode == "auto" or restating
         self.call_prefixes = tuple(call_prefixes) + (("`", "{", "[") if restating else ())
         self.hold = max((len(s) for s in req.stop), default=1) - 1
