@@ -36,7 +36,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias ({', '.join(KNOWN_MODELS)}), HF directory, HF id in the local cache or .gguf path "
-                        f"(default: {DEFAULT_MODEL})")
+                        f"(default: {DEFAULT_MODEL}); on llama.cpp an alias may name its weights: alias:q8_0, "
+                        f"alias:q4_0 (re-quantised once, cached) or alias:shipped ({DEFAULT_MODEL} loads as Q8_0)")
     p.add_argument("--tool-format", default=None, choices=tuple(FORMATS),
                    help="tool-call format (default: detected from the chat template)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file (for a model without one)")
@@ -57,7 +58,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "
-                        "1 on batch-invariant weights (SmolLM2, or a Qwen alias:q8_0) is the identity configuration: "
+                        "1 on batch-invariant weights (SmolLM2, the default 0.5B as Q8_0, a Qwen alias:q8_0; not alias:shipped) "
+                        "is the identity configuration: "
                         "bit-identical verify rows, so greedy speculative output equals one token per forward; more "
                         "threads are faster but may flip near-ties)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,

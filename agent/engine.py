@@ -206,7 +206,7 @@ class LocalEngine:
         draft_model, device, dtype: load-time arguments (only with a ``LoadedModel`` or a spec; ``device``/``dtype``
             only with a spec).
         backend, threads, ctx_size: a row of ``decoding.BACKENDS`` (``"llamacpp"``: llama.cpp's CPU kernels on the
-            GGUF as shipped, ``threads`` CPU threads, ``ctx_size`` KV cache positions per sequence; ``"torch"``;
+            GGUF, ``threads`` CPU threads, ``ctx_size`` KV cache positions per sequence; ``"torch"``;
             None: ``decoding.choose_backend``, llama.cpp for a GGUF on the CPU where it is installed), only with a
             spec (see :class:`decoding.Generator`); ``engine`` is an alias of ``backend``.
         tool_format, chat_template: the tool-call format (``agent.formats``; None: detected from the chat template)

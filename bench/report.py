@@ -52,7 +52,8 @@ def write_markdown(path: Path, results: dict[str, dict], meta: dict) -> None:
              f"{meta.get('n_prompts')} prompts ({', '.join(meta.get('categories', []))}), {meta.get('repeat')} "
              f"repeat(s), max_new_tokens {meta.get('max_new_tokens')}, γ {meta.get('num_draft_tokens')}; "
              f"split {meta.get('split') or 'whole file'}; "
-             f"{meta.get('cpu')}, {meta.get('torch_threads')} threads; {meta.get('date')}", "",
+             f"{meta.get('cpu')}, {meta.get('torch_threads')} threads; {meta.get('date')}"
+             + (f"; llama.cpp modes on {meta['llamacpp_model']}" if meta.get("llamacpp_model") else ""), "",
              f"`{meta.get('command')}`", "",
              "| mode | tokens/s | speedup vs constrained | tokens/forward | acceptance by position | mask | draft | "
              "verify | peak RSS MB | valid | identical to constrained |",

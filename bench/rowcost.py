@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    from decoding.loader import KNOWN_MODELS, SHIPPED_TAG
+
     rows = tuple(int(r) for r in args.rows.split(","))
     if rows[0] != 1:
         raise SystemExit("--rows must start with 1 (the unit of the cost)")
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for weight in args.weights.split(","):
-        spec = args.model if weight == "shipped" else f"{args.model}:{weight}"
+        # an alias's "shipped" is alias:shipped (a bare alias loads its chosen weights, e.g. the 0.5B as Q8_0)
+        shipped = args.model + SHIPPED_TAG if args.model in KNOWN_MODELS else args.model
+        spec = shipped if weight == "shipped" else f"{args.model}:{weight}"
         for threads in (int(t) for t in args.threads.split(",")):
             for repack in (r == "on" for r in args.repack.split(",")):
                 r = measure(spec, threads=threads, repack=repack, rows=rows, prompt_tokens=args.prompt_tokens,

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None, *, loaded: LoadedModel | None = None,
                 default_drafter=DEFAULT_DRAFTER, n_prompts=len(res.prompts),
                 prompts=[{"id": p.id, "prompt_tokens": len(p.ids)} for p in res.prompts],
                 peak_rss_note="peak_rss_mb is process-wide (ru_maxrss after the mode's last run), not per mode")
+    if model_spec is not None and any(m.startswith("llamacpp") for m in modes):
+        from decoding.llamacpp import gguf_of  # the file the llama.cpp modes ran (the 0.5B alias: Q8_0)
+        meta["llamacpp_model"] = gguf_of(model_spec)[1]
     out = Path(args.out)
     write_outputs(out, res, meta)
     print(Path(out / "results.md").read_text())

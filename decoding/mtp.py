@@ -144,7 +144,10 @@ class MTPHead(nn.Module):
 
 
 def target_sha256(loaded: LoadedModel) -> str:
-    """The identity an MTP checkpoint is tied to: the source weights' sha256 (GGUF), else a hash of the config."""
+    """The identity an MTP checkpoint is tied to: the source weights' sha256 (the GGUF as shipped, also for weights
+    the llama.cpp backend re-quantised from it: ``source_sha256``), else a hash of the config."""
+    if getattr(loaded, "source_sha256", None):
+        return loaded.source_sha256
     if loaded.sha256:
         return loaded.sha256
     return hashlib.sha256(json.dumps(loaded.model.config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()

@@ -116,8 +116,8 @@ def test_agent_runs_tools_on_the_llamacpp_backend(cpp):
     assert res.tool_calls and res.tool_calls[0].call.name == "get_weather"
     assert res.tool_calls[0].result["city"].lower() == "tokyo"
     assert res.final_answer
-    factory, args, kwargs = agent.engine.spec()  # rebuilt from the GGUF path (ctypes handles do not pickle)
-    assert kwargs["backend"] == "llamacpp" and args[0].endswith(".gguf")
+    factory, args, kwargs = agent.engine.spec()  # rebuilt from the model spec it was loaded from (ctypes handles do
+    assert kwargs["backend"] == "llamacpp" and args[0] == "smollm2"  # not pickle; a re-quantised alias stays itself)
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +366,37 @@ def test_requantised_weights_load_by_tag_with_the_shipped_tokenizer_and_stay_bat
     shipped = cpp1.new_lm()
     shipped.reset()
     assert not torch.equal(batched, shipped.forward(list(range(300, 420)) + window, num_logits=33)[0])
+
+
+def test_an_alias_loads_with_its_chosen_weights_and_shipped_names_the_file_as_shipped(cpp1):
+    """A bare alias names the weights its ``ModelSource.llamacpp_weights`` chose (the default 0.5B: Q8_0),
+    ``alias:shipped`` the GGUF as shipped; a re-quantised load keeps the shipped file's sha256 as the key of the
+    model's MTP head."""
+    from decoding.llamacpp import split_weights
+    from decoding.mtp import target_sha256
+
+    assert split_weights("qwen2.5-coder-0.5b") == ("qwen2.5-coder-0.5b", "q8_0")
+    assert split_weights("qwen2.5-coder-0.5b:shipped") == ("qwen2.5-coder-0.5b", None)
+    assert split_weights("qwen2.5-coder-0.5b:q4_0") == ("qwen2.5-coder-0.5b", "q4_0")
+    assert split_weights("qwen2.5-coder-1.5b") == ("qwen2.5-coder-1.5b", None)
+    assert split_weights("smollm2") == ("smollm2", None) and split_weights("x.gguf") == ("x.gguf", None)
+    shipped = load_llamacpp("smollm2:shipped", n_threads=1, n_ctx=256)
+    assert (shipped.path, shipped.sha256) == (cpp1.path, cpp1.sha256) and target_sha256(shipped) == cpp1.sha256
+    q8 = load_llamacpp("smollm2:q8_0", n_threads=1, n_ctx=256)
+    assert q8.sha256 != cpp1.sha256 and target_sha256(q8) == cpp1.sha256
+    from decoding.backends import BACKENDS
+    assert BACKENDS["llamacpp"].portable(q8)[0] == "smollm2:q8_0"  # a Ray worker loads the same weights and key
+
+
+def test_rowcost_measures_the_shipped_file_of_an_alias_whose_default_weights_are_re_quantised(monkeypatch, capsys):
+    import bench.rowcost as rowcost
+
+    specs = []
+    monkeypatch.setattr(rowcost, "measure", lambda spec, **kw: specs.append(spec) or {
+        "ms_1_row": 1.0, "cost": {1: 1.0, 2: 1.5}, "max_abs_diff": {1: 0.0, 2: 0.0}})
+    assert rowcost.main(["--model", "qwen2.5-coder-0.5b", "--weights", "shipped,q8_0", "--rows", "1,2"]) == 0
+    assert specs == ["qwen2.5-coder-0.5b:shipped", "qwen2.5-coder-0.5b:q8_0"]
+    assert "| shipped | 1 | off | 1.0 | 1.50× | bit-identical at every n |" in capsys.readouterr().out
 
 
 def test_ctx_size_sizes_the_kv_cache_and_a_prompt_past_it_is_refused():
