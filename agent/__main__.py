@@ -58,10 +58,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         + "; ".join(f"{n}: {row.summary}" for n, row in BACKENDS.items()))
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of the llama.cpp backend (default: the physical cores this process may use; "
-                        "1 on batch-invariant weights (SmolLM2, the default 0.5B as Q8_0, a Qwen alias:q8_0; not alias:shipped) "
-                        "is the identity configuration: "
-                        "bit-identical verify rows, so greedy speculative output equals one token per forward; more "
-                        "threads are faster but may flip near-ties)")
+                        "1 on batch-invariant weights (SmolLM2, the default 0.5B as Q8_0, a Qwen alias:q8_0; not "
+                        "alias:shipped) is the identity configuration: bit-identical verify rows, so greedy "
+                        "speculative output equals one token per forward; more threads are faster but may flip "
+                        "near-ties)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="llama.cpp backend: KV cache positions per sequence, prompt + output (default 8192, capped by "
                         "the model's training context), as llama.cpp's -c")

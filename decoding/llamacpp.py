@@ -91,7 +91,8 @@ REQUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_
 def split_weights(spec: str) -> tuple[str, str | None]:
     """The alias and weight type a model spec names for the llama.cpp backend: ``"alias:q8_0"`` ->
     ``("alias", "q8_0")``; ``"alias:shipped"`` -> ``("alias", None)`` (the GGUF as shipped); a bare alias -> its
-    ``ModelSource.llamacpp_weights`` (``"qwen2.5-coder-0.5b"`` -> ``(…, "q8_0")``); anything else -> ``(spec, None)``."""
+    ``ModelSource.llamacpp_weights`` (``"qwen2.5-coder-0.5b"`` -> ``(…, "q8_0")``); anything else ->
+    ``(spec, None)``."""
     base, _, tag = spec.rpartition(":")
     if base in KNOWN_MODELS and tag in REQUANT_TYPES:
         return base, tag
