@@ -121,15 +121,20 @@ def _print_run(prompt: str, res) -> None:
           f"prompts {s.prompt_tokens} tokens ({s.prompt_tokens_cached} cached), prefill {s.prefill_seconds:.1f} s")
 
 
+def _model_line(agent, args, load_s: float) -> str:
+    """What runs: the model (its weights), backend and threads, load time, drafter and tools — one line."""
+    where = agent.generator.backend.describe(agent.generator.loaded)
+    return (f"model: {agent.generator.loaded.name}, {where} ({load_s:.1f} s to load); "
+            f"drafter: {_drafter_label(agent.generator, args.drafter)}; tools: {', '.join(agent.registry.names)}")
+
+
 def cmd_demo(args) -> int:
     from .demo_tools import PROMPTS, TOOLS
 
     t = time.perf_counter()
     # bounded strings and numbers in the grammar: a 135M model can otherwise run on inside a value
     agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
-    where = agent.generator.backend.describe(agent.generator.loaded)
-    print(f"model: {agent.generator.loaded.name}, {where} ({time.perf_counter() - t:.1f} s to load); "
-          f"drafter: {_drafter_label(agent.generator, args.drafter)}; tools: {', '.join(agent.registry.names)}")
+    print(_model_line(agent, args, time.perf_counter() - t))
     for prompt in PROMPTS:
         res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
         _print_run(prompt, res)
@@ -159,7 +164,9 @@ def cmd_run(args) -> int:
 
     tools = load_tools(args.tools)
     filter_tools(ToolRegistry(tools), args.tool_choice)  # an unknown tool name fails before the model loads
+    t = time.perf_counter()
     agent = _agent(args, tools)
+    print(_model_line(agent, args, time.perf_counter() - t), file=sys.stderr)  # stdout: the run's own lines
     res = agent.run(args.prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
     _print_run(args.prompt, res)
     return 0

@@ -46,6 +46,8 @@ cached), and the speculative step drafts a token only where its row pays (``deco
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -57,8 +59,9 @@ import torch
 
 from schemas.errors import SpecAgentError
 
-from .loader import (KNOWN_MODELS, SHIPPED_TAG, ModelNotFoundError, UnsupportedModelError, cache_root,
-                     check_threads, end_of_generation_ids, locate_gguf, sha256_file)
+from .loader import (KNOWN_MODELS, SHIPPED_TAG, ModelNotFoundError, UnsupportedModelError, WeightTagError,
+                     cache_root, check_threads, end_of_generation_ids, locate_gguf, sha256_file,
+                     writable_cache_dir)
 from .window import RowCost
 
 INSTALL = ('make setup-llamacpp (CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36; '
@@ -90,14 +93,22 @@ REQUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_
 
 def split_weights(spec: str) -> tuple[str, str | None]:
     """The alias and weight type a model spec names for the llama.cpp backend: ``"alias:q8_0"`` ->
-    ``("alias", "q8_0")``; ``"alias:shipped"`` -> ``("alias", None)`` (the GGUF as shipped); a bare alias -> its
-    ``ModelSource.llamacpp_weights`` (``"qwen2.5-coder-0.5b"`` -> ``(…, "q8_0")``); anything else ->
-    ``(spec, None)``."""
-    base, _, tag = spec.rpartition(":")
-    if base in KNOWN_MODELS and tag in REQUANT_TYPES:
-        return base, tag
-    if base in KNOWN_MODELS and ":" + tag == SHIPPED_TAG:
-        return base, None
+    ``("alias", "q8_0")`` (tags are case-insensitive); ``"alias:shipped"`` -> ``("alias", None)`` (the GGUF as
+    shipped); a bare alias -> its ``ModelSource.llamacpp_weights`` (``"qwen2.5-coder-0.5b"`` -> ``(…, "q8_0")``);
+    anything else -> ``(spec, None)``.
+
+    Raises:
+        WeightTagError: an alias with a tag that is neither a key of :data:`REQUANT_TYPES` nor ``shipped``.
+    """
+    base, sep, tag = spec.rpartition(":")
+    if sep and base in KNOWN_MODELS:
+        if tag.lower() in REQUANT_TYPES:
+            return base, tag.lower()
+        if ":" + tag.lower() == SHIPPED_TAG:
+            return base, None
+        raise WeightTagError(f"unknown weight tag {tag!r} in model {spec!r}: use {base} (its default weights), "
+                             + ", ".join(f"{base}:{t}" for t in REQUANT_TYPES) + f" or {base}{SHIPPED_TAG} "
+                             f"(the GGUF as shipped)")
     if spec in KNOWN_MODELS:
         return spec, KNOWN_MODELS[spec].llamacpp_weights
     return spec, None
@@ -107,25 +118,36 @@ def requantized(path: Path, sha256: str, weight: str) -> tuple[Path, str]:
     """``(path, sha256)`` of the GGUF ``path`` re-quantised to ``weight`` (a key of :data:`REQUANT_TYPES`) by
     llama.cpp's quantizer (``llama_model_quantize``, ``allow_requantize``; no f16 weights ship, so the error
     compounds: measure before relying on it), made once and cached as ``<cache>/gguf/<sha256[:16]>.<weight>.gguf``
-    (its own sha256 beside it, ``.sha256``).
+    (its own sha256 beside it, ``.sha256``). The first call says so on stderr (5-15 s on a 2-core CPU for the 0.5B);
+    concurrent first calls (threads or processes) each write a file of their own and rename it into place.
 
     Raises:
-        LlamaCppUnavailableError: llama-cpp-python is not installed. RuntimeError: the quantizer failed.
+        LlamaCppUnavailableError: llama-cpp-python is not installed. CacheNotWritableError: the cache directory
+        cannot be written (set ``SPECAGENT_CACHE``). RuntimeError: the quantizer failed.
     """
     lib = _llama_cpp()
     out = cache_root() / "gguf" / f"{sha256[:16]}.{weight}.gguf"
     digest = out.with_name(out.name + ".sha256")
-    if not out.exists() or not digest.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        params = lib.llama_model_quantize_default_params()
-        params.ftype = getattr(lib, REQUANT_TYPES[weight])
-        params.allow_requantize = True
-        tmp = out.with_suffix(".tmp")
+    if out.exists() and digest.exists():
+        return out, digest.read_text().strip()
+    writable_cache_dir(out.parent, f"re-quantising {path.name} to {weight.upper()}")
+    print(f"specagent: re-quantising {path.name} to {weight.upper()} once with llama.cpp's quantizer -> {out}",
+          file=sys.stderr, flush=True)
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, REQUANT_TYPES[weight])
+    params.allow_requantize = True
+    own = f".{os.getpid()}.{threading.get_ident()}.tmp"  # a name of this thread's own: first loads may race
+    tmp, tmp_digest = out.with_name(out.name + own), digest.with_name(digest.name + own)
+    try:
         rc = lib.llama_model_quantize(str(path).encode(), str(tmp).encode(), params)
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({path} -> {weight}) failed with code {rc}")
-        tmp.rename(out)
-        digest.write_text(sha256_file(out))
+        tmp_digest.write_text(sha256_file(tmp))
+        tmp.replace(out)  # atomic; a racing writer made the same bytes
+        tmp_digest.replace(digest)
+    finally:
+        tmp.unlink(missing_ok=True)
+        tmp_digest.unlink(missing_ok=True)
     return out, digest.read_text().strip()
 
 

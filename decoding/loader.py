@@ -32,6 +32,16 @@ class ModelNotFoundError(SpecAgentError, FileNotFoundError):
     """The model's files are not on this machine; the message names the command that installs them."""
 
 
+class WeightTagError(SpecAgentError, ValueError):
+    """A model spec's weight tag (``alias:q8_0``) is unknown, or names re-quantised weights for a backend that has
+    none (the torch backend de-quantises the GGUF as shipped)."""
+
+
+class CacheNotWritableError(SpecAgentError, PermissionError):
+    """The model cache (``SPECAGENT_CACHE``, default ``~/.cache/specagent``) cannot be written where a model must be
+    joined, converted or re-quantised into it."""
+
+
 class UnsupportedModelError(SpecAgentError, ValueError):
     """The model's KV cache cannot be rolled back to a shorter length (sliding-window or chunked attention layers,
     recurrent state), which speculative decoding needs after every rejected draft token."""
@@ -80,7 +90,8 @@ KNOWN_MODELS: dict[str, ModelSource] = {
 }
 # docs/benchmarks.md, "Choosing the default model": the 1.5B is more accurate on the dev split with tool_choice
 # "required", but under "auto" (the agent's default) it writes its calls as ```json fenced text, which the grammar
-# takes as an answer, so it calls no tool (the demo's three questions); the 0.5B writes bare JSON calls there.
+# takes as an answer, so it calls no tool (the demo's three questions); the 0.5B mostly writes bare JSON calls
+# there (at one thread on Q8_0 it fences the demo's second question too: docs/benchmarks.md, "tool_choice auto").
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 SHIPPED_TAG = ":shipped"  # ``alias:shipped``: the GGUF as shipped, whatever the alias's ``llamacpp_weights``
 
@@ -158,6 +169,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECAGENT_CACHE", Path.home() / ".cache" / "specagent"))
 
 
+def writable_cache_dir(path: Path, purpose: str) -> Path:
+    """``path`` (a directory under :func:`cache_root`), created if missing, once it is known to be writable.
+
+    Raises:
+        CacheNotWritableError: it cannot be created or written; the message names it, ``purpose`` and
+            ``SPECAGENT_CACHE``.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheNotWritableError(f"cannot create the model cache {path} for {purpose} ({e.strerror}); set "
+                                    f"SPECAGENT_CACHE to a writable directory") from None
+    if not os.access(path, os.W_OK):
+        raise CacheNotWritableError(f"the model cache {path} is not writable ({purpose} writes there); set "
+                                    f"SPECAGENT_CACHE to a writable directory")
+    return path
+
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 _LOCK = threading.Lock()
@@ -214,7 +243,13 @@ def resolve_model(spec: str) -> tuple[Path, str, str | None]:
     Raises:
         ModelNotFoundError: no such alias, directory or file (nothing is downloaded).
     """
-    spec = spec.removesuffix(SHIPPED_TAG) if spec.removesuffix(SHIPPED_TAG) in KNOWN_MODELS else spec
+    base, sep, tag = spec.rpartition(":")
+    if sep and base in KNOWN_MODELS:
+        if ":" + tag.lower() != SHIPPED_TAG:
+            raise WeightTagError(f"model {spec!r}: weight tags select llama.cpp's re-quantised weights; the torch "
+                                 f"backend de-quantises the GGUF as shipped: use {base!r} (or backend='llamacpp' "
+                                 f"with the CPU and the default dtype)")
+        spec = base
     if spec in KNOWN_MODELS:  # torch de-quantises the shipped GGUF (``alias:shipped`` is the same file)
         src = KNOWN_MODELS[spec]
         gguf = locate_gguf(src)
@@ -275,7 +310,7 @@ def locate_gguf(src: ModelSource) -> Path:
     out = cache_root() / "gguf" / f"{src.sha256[:16]}.gguf"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_cache_dir(out.parent, f"joining {src.name}'s parts")
     # a name of this process's own: two processes joining the parts at once must not share (or rename) one file
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     h = hashlib.sha256()
@@ -334,7 +369,7 @@ def built_dir(out: Path):
     """Build a cache directory in a temporary sibling (yielded) and move it to ``out`` only when the block ends
     without an exception (replacing what ``out`` held), so a half-written cache is never read; the temporary
     directory goes either way."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    writable_cache_dir(out.parent, f"building {out.name}")
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         yield tmp

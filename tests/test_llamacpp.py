@@ -388,6 +388,81 @@ def test_an_alias_loads_with_its_chosen_weights_and_shipped_names_the_file_as_sh
     assert BACKENDS["llamacpp"].portable(q8)[0] == "smollm2:q8_0"  # a Ray worker loads the same weights and key
 
 
+def test_a_weight_tag_that_is_unknown_or_not_for_the_backend_is_named(cpp1):
+    """``alias:q5_k``, ``alias:`` and a tag on the torch backend name the tag and the ones there are (they read
+    "model not found" before); tags are case-insensitive, as Ollama's are."""
+    from decoding import WeightTagError
+    from decoding.llamacpp import split_weights
+    from decoding.loader import resolve_model
+
+    assert split_weights("qwen2.5-coder-0.5b:Q8_0") == ("qwen2.5-coder-0.5b", "q8_0")
+    assert split_weights("smollm2:SHIPPED") == ("smollm2", None)
+    for spec, tag in (("smollm2:q5_k", "'q5_k'"), ("smollm2:", "''")):
+        with pytest.raises(WeightTagError, match=f"unknown weight tag {tag}.*smollm2:q8_0.*smollm2:shipped"):
+            split_weights(spec)
+        with pytest.raises(WeightTagError, match="unknown weight tag"):
+            Generator(spec)  # the backend is chosen from the spec: the tag is named before anything loads
+    with pytest.raises(WeightTagError, match="torch backend de-quantises the GGUF as shipped: use 'smollm2'"):
+        resolve_model("smollm2:q8_0")
+    with pytest.raises(WeightTagError, match="torch backend"):
+        Generator("smollm2:q8_0", dtype="bfloat16")
+    assert resolve_model("smollm2:shipped")[1] == resolve_model("smollm2")[1]
+
+
+def test_first_loads_that_race_re_quantise_each_into_a_file_of_their_own(cpp1, monkeypatch, tmp_path, capsys):
+    """Two threads loading ``smollm2:q8_0`` into an empty cache at once both get the same file and digest (a shared
+    temporary name made one of them fail with FileNotFoundError); the first load says so on stderr."""
+    import threading
+
+    from decoding.llamacpp import gguf_of
+
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path))
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(gguf_of("smollm2:q8_0"))
+        except Exception as e:  # noqa: BLE001 -- the assertion names it
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 2 and results[0] == results[1]
+    path, _, sha = results[0]
+    assert path.parent == tmp_path / "gguf" and sha == (path.parent / (path.name + ".sha256")).read_text()
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == [path.name, path.name + ".sha256"]
+    assert "re-quantising" in capsys.readouterr().err
+    assert gguf_of("smollm2:q8_0") == results[0] and "re-quantising" not in capsys.readouterr().err  # cached
+
+
+def test_an_unwritable_cache_is_named_with_the_variable_that_moves_it(cpp1, monkeypatch, tmp_path, capsys):
+    from agent.__main__ import main
+    from decoding import CacheNotWritableError
+    from decoding.llamacpp import gguf_of
+
+    cache = tmp_path / "not-a-directory"  # unwritable even for root (these machines run tests as root)
+    cache.write_text("")
+    monkeypatch.setenv("SPECAGENT_CACHE", str(cache))
+    with pytest.raises(CacheNotWritableError, match=f"cannot create the model cache {cache}/gguf .*SPECAGENT_CACHE"):
+        gguf_of("smollm2:q8_0")
+    assert main(["demo", "--model", "smollm2:q8_0", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot create the model cache" in err and "Traceback" not in err
+
+
+def test_run_names_the_model_its_weights_backend_and_threads_on_stderr(cpp1, capsys):
+    from agent.__main__ import main
+
+    assert main(["run", "--model", "smollm2:q8_0", "--backend", "llamacpp", "--threads", "1", "--tools",
+                 "examples.my_tools:TOOLS", "--max-new-tokens", "24", "Add 2 and 3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("\n>>> Add 2 and 3") and "model:" not in out  # stdout: the run's own lines
+    assert "model: SmolLM2-135M-Instruct" in err and "re-quantised to Q8_0" in err and "1 thread" in err
+
+
 def test_rowcost_measures_the_shipped_file_of_an_alias_whose_default_weights_are_re_quantised(monkeypatch, capsys):
     import bench.rowcost as rowcost
 
