@@ -130,19 +130,49 @@ LITERAL_SYNTAX = {
              "boolean": r"true|false"},
     "javascript": {"integer": r"-?\d+", "float": r"-?\d+(\.\d+)?", "Bigint": r"-?\d+n", "Boolean": r"true|false"},
 }
-# Collections (Java ``Array``/``ArrayList``/``HashMap``, JS ``array``/``dict``) stay free: their ground truths also
-# hold plain strings the checker compares as they are (simple_java_35: a ``byte[]`` given as ``"user:online:both"``).
 NAME_SYNTAX = r"[A-Za-z_$][A-Za-z0-9_$]*(\.[A-Za-z_$][A-Za-z0-9_$]*)*"
+# Java collections are Java expressions too: BFCL's converter (``parse_arraylist`` / ``parse_array`` /
+# ``parse_hashmap``) reads ``new ArrayList<>(Arrays.asList(a, b))``, ``new T[]{a, b}`` and ``new HashMap<K, V>() {{
+# put("k", v); }}``, its elements in the literal syntax of the declared item type, and keeps anything else a string
+# (so ``"[101, 202]"`` never equals a list). Chosen on the dev split (docs/benchmarks.md, "Java collections as BFCL
+# reads them"); a ground truth that holds a plain string for a collection (simple_java_35: a ``byte[]`` given as
+# ``"user:online:both"``) cannot be written. JavaScript's ``array``/``dict`` stay free: its converter reads ``[…]``.
+_JAVA_STRING = r'"[^",\\]*"'  # the converter splits elements at every comma, so none inside a string
+_JAVA_ANY_VALUE = rf"{_JAVA_STRING}|-?\d+(\.\d+)?([eE][+-]?\d+)?[lLfF]?|true|false|{NAME_SYNTAX}"
+
+
+def java_collection_syntax(param: dict) -> str | None:
+    """The regular expression of the Java expression BFCL's checker parses for a parameter declared ``ArrayList``,
+    ``Array`` or ``HashMap`` (elements in the syntax of ``items.type`` where given), else None."""
+    kind = param.get("type")
+    item = (param.get("items") or {}).get("type") if isinstance(param.get("items"), dict) else None
+    element = {"String": _JAVA_STRING, "char": r"'.'", **LITERAL_SYNTAX["java"]}.get(item, _JAVA_ANY_VALUE)
+    elements = f"({element})(, ({element}))*"
+    generic = r"<([A-Z]\w*)?>"  # ``<>`` or a type name: the converter reads ``<\w*>``
+    if kind == "ArrayList":
+        return rf"new ArrayList{generic}\(Arrays\.asList\({elements}\)\)|new ArrayList{generic}\(\)"
+    if kind == "Array":
+        return rf"new \w+\[\] ?\{{({elements})?\}}"
+    if kind == "HashMap":
+        put = rf'put\({_JAVA_STRING}, ({_JAVA_ANY_VALUE})\);'
+        return rf"new HashMap<([A-Z]\w*, [A-Z]\w*)?>\(\)( \{{\{{( {put})+ \}}\}})?"
+    return None
 
 
 def literal_syntax(fn: dict, language: str) -> dict[str, dict]:
     """``{parameter: {"pattern": …}}`` keeping each top-level Java/JavaScript parameter of the BFCL doc ``fn`` (as
     written, before :func:`language_specific_pre_processing`) to the literal syntax of its declared type
-    (:data:`LITERAL_SYNTAX`) or a name (:data:`NAME_SYNTAX`); parameters of ``String``/``any`` type are left free."""
+    (:data:`LITERAL_SYNTAX`; Java collections: :func:`java_collection_syntax`) or a name (:data:`NAME_SYNTAX`);
+    parameters of ``String``/``any`` type are left free."""
     table = LITERAL_SYNTAX.get(language, {})
-    return {name: {"pattern": f"^({table[p['type']]}|{NAME_SYNTAX})$"}
-            for name, p in (fn.get("parameters") or {}).get("properties", {}).items()
-            if isinstance(p, dict) and p.get("type") in table}
+    out = {}
+    for name, p in (fn.get("parameters") or {}).get("properties", {}).items():
+        if not isinstance(p, dict):
+            continue
+        syntax = table.get(p.get("type")) or (java_collection_syntax(p) if language == "java" else None)
+        if syntax:
+            out[name] = {"pattern": f"^({syntax}|{NAME_SYNTAX})$"}
+    return out
 
 
 def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None = None,

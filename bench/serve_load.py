@@ -2,6 +2,7 @@
 
     python -m bench.serve_load --clients 32 --max-tokens 48 [--model smollm2] [--concurrency 1] [--out FILE]
     python -m bench.serve_load --sweep 1,8,32 --batching off,on --max-batch 32 --threads 1 [--out FILE]
+    python -m bench.serve_load --url http://127.0.0.1:8000/v1 --model M --clients 32   # clients in their own process
 
 Every prompt is first sent alone (non-streamed, greedy): its serial answer. Then all N are streamed at once. Checked:
 none lost, every call validates against its tool's schema, every streamed answer (content, calls, finish_reason)
@@ -58,11 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (1: the identity configuration)")
     ap.add_argument("--backend", default=None, help="decoding backend (default: llama.cpp for a GGUF)")
     ap.add_argument("--out", default=None, help="write the JSON summary here too")
+    ap.add_argument("--url", default=None,
+                    help="clients only, against a server already running (its own process), e.g. "
+                         "http://127.0.0.1:8000/v1 from `python -m agent serve --max-string-length 64 "
+                         "--max-decimals 6`; its flags decide batching and threads, --model names the served model")
     args = ap.parse_args(argv)
     counts = [int(c) for c in args.sweep.split(",")] if args.sweep else [args.clients]
     modes = args.batching.split(",")
     if any(m not in ("off", "on") for m in modes) or any(c < 1 for c in counts):
         ap.error("--batching takes off, on or off,on; client counts are >= 1")
+    if args.url:
+        runs = load_clients(args.url, args.model, counts, args.max_tokens)
+        for summary in runs:
+            summary["server"] = args.url
+            print(json.dumps(summary), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=1)
+        return 0 if all(r["valid"] == r["equal_to_serial"] == r["clients"] == r["answered"] for r in runs) else 1
 
     from decoding import Generator
 
@@ -98,48 +112,57 @@ def run_server(engine: LocalEngine, model: str, counts: list[int], max_tokens: i
     """One server over ``engine`` (``batch``: ``create_app``'s continuous-batching arguments, or none;
     ``num_draft_tokens``: γ of its requests, None: the engine's default): the serial answers of ``max(counts)``
     prompts, then each count of concurrent streamed clients. One summary per count."""
-    import openai
-
-    registry = ToolRegistry(TOOLS)
-    tools = [t.to_openai() for t in registry]
     config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=max_tokens).override(
         num_draft_tokens=num_draft_tokens)
     app = create_app(engine, model_name=model, config=config, max_waiting=max(64, max(counts)),
                      concurrency=concurrency, **batch)
+    with ServerThread(app) as url:
+        return load_clients(url, model, counts, max_tokens, concurrency, batch)
+
+
+def load_clients(url: str, model: str, counts: list[int], max_tokens: int, concurrency: int = 1,
+                 batch: dict | None = None) -> list[dict]:
+    """The clients' side against the server at ``url`` (``…/v1``; in this process or another): the serial answers
+    of ``max(counts)`` prompts, then each count of concurrent streamed clients. One summary per count
+    (``concurrency`` / ``batch`` only label it)."""
+    import openai
+
+    registry = ToolRegistry(TOOLS)
+    tools = [t.to_openai() for t in registry]
     todo = prompts(max(counts))
     summaries = []
-    with ServerThread(app) as url:
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
-        request = dict(model=model, tools=tools, tool_choice="required")
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+    request = dict(model=model, tools=tools, tool_choice="required", max_tokens=max_tokens)
 
-        def serial(prompt: str):
-            t0 = time.perf_counter()
-            r = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **request)
-            m = r.choices[0].message
-            calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-            return (m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens, \
-                time.perf_counter() - t0
+    def serial(prompt: str):
+        t0 = time.perf_counter()
+        r = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **request)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        return (m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens, \
+            time.perf_counter() - t0
 
-        def streamed(prompt: str):
-            t0, first = time.perf_counter(), []
+    def streamed(prompt: str):
+        t0, first = time.perf_counter(), []
 
-            def chunks():
-                for ch in client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=True,
-                                                         stream_options={"include_usage": True}, **request):
-                    if not first and any(c.delta.content or c.delta.tool_calls for c in ch.choices):
-                        first.append(time.perf_counter() - t0)
-                    yield ch
-            content, calls, finish, usage = collect_stream(chunks())
-            answer = (content, [(c["name"], c["arguments"]) for c in calls], finish)
-            return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
+        def chunks():
+            for ch in client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=True,
+                                                     stream_options={"include_usage": True}, **request):
+                if not first and any(c.delta.content or c.delta.tool_calls for c in ch.choices):
+                    first.append(time.perf_counter() - t0)
+                yield ch
+        content, calls, finish, usage = collect_stream(chunks())
+        answer = (content, [(c["name"], c["arguments"]) for c in calls], finish)
+        return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
 
-        alone = [serial(p) for p in todo]
-        for n in counts:
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:
-                together = list(pool.map(streamed, todo[:n]))
-            wall = time.perf_counter() - t0
-            summaries.append(summarize(registry, model, max_tokens, concurrency, batch, together, alone[:n], wall))
+    alone = [serial(p) for p in todo]
+    for n in counts:
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            together = list(pool.map(streamed, todo[:n]))
+        wall = time.perf_counter() - t0
+        summaries.append(summarize(registry, model, max_tokens, concurrency, batch or {}, together, alone[:n],
+                                   wall))
     return summaries
 
 

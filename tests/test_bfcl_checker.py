@@ -139,14 +139,27 @@ def test_every_ground_truth_gets_the_official_verdict_from_judge_and_from_our_sc
     assert failing == UNPASSABLE, failing
 
 
+# Java collections whose ground truth is a plain string, not the expression BFCL's converter reads as a collection:
+# the grammar writes collections as Java expressions (bench/bfcl_dialect.py, java_collection_syntax), so it cannot
+# write these (a byte[] given as "user:online:both").
+PLAIN_STRING_COLLECTIONS = {"simple_java_35": "destination"}
+
+
 def test_java_and_javascript_ground_truths_written_as_strings_pass_the_official_checker(rows):
+    from schemas import ToolCallError
+
     for cat in ("simple_java", "simple_javascript"):
         for row in rows[cat]:
             calls = written_calls(row, cat)
             assert all(isinstance(v, str) for c in calls for v in c["arguments"].values())
             turn = bfcl_turn(row, cat)
             for c in calls:
-                turn.registry().parse_call(c)  # the declared tool takes them (every parameter a string)
+                if row["id"] in PLAIN_STRING_COLLECTIONS:
+                    with pytest.raises(ToolCallError, match=f"/{PLAIN_STRING_COLLECTIONS[row['id']]} fails keyword "
+                                                            f"'pattern'"):
+                        turn.registry().parse_call(c)
+                else:
+                    turn.registry().parse_call(c)  # the declared tool takes them (every parameter a string)
             ok, err = official_verdict(row["function"], calls, row["ground_truth"], cat)
             assert ok or row["id"] in UNPASSABLE, (row["id"], err, calls)
 

@@ -268,3 +268,22 @@ def test_metrics_show_the_batch_scheduler(engine):
         assert m["specagent_batch_prefix_copies_total"] == batcher.copies
         assert m["specagent_batch_aborted_sequences_total"] == batcher.aborted
     assert_no_kv_leak(batcher)
+
+
+def test_serve_load_runs_its_clients_in_process_or_against_a_running_server(tmp_path, capsys):
+    """``bench.serve_load``: the same prompts give the same checked summary whether it starts the server itself or
+    its clients load a server already running (``--url``, as from ``python -m agent serve`` in another process)."""
+    from bench import serve_load
+
+    assert serve_load.main(["--model", "smollm2", "--clients", "2", "--max-tokens", "48", "--threads", "1"]) == 0
+    inside = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    engine = LocalEngine(Generator("smollm2", backend="llamacpp", threads=1))
+    config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=512)  # the request's max_tokens cuts
+    with ServerThread(create_app(engine, model_name="smollm2", config=config)) as url:
+        out = tmp_path / "load.json"
+        assert serve_load.main(["--url", url, "--model", "smollm2", "--clients", "2", "--max-tokens", "48",
+                                "--out", str(out)]) == 0
+    outside = json.loads(out.read_text())
+    assert outside["server"] == url and outside["clients"] == outside["valid"] == outside["equal_to_serial"] == 2
+    assert inside["clients"] == inside["valid"] == inside["equal_to_serial"] == 2
+    assert outside["calls"] == inside["calls"] and outside["max_tokens"] == 48
