@@ -9,6 +9,8 @@ very step :func:`decoding.speculative.speculative_decode` runs. One scheduler th
              prompt: per-slot prefix caching, as llama.cpp's server; or a copy of another slot's KV stream holding
              more of it, llama_memory_seq_cp); the rest of the prompt is prefilled (big parts in decodes of their own,
              small chunks inside the steps' decodes, as rows without logits)
+    compact: the sequences holding a slot move to the lowest seq_ids (a KV stream copy, llama_memory_seq_cp):
+             llama.cpp runs a decode in one micro-batch only over consecutive seq_ids
     draft:   every running sequence drafts its window (draft_window), within the step's row cap
     verify:  ALL sequences' verify rows [cur, d1 … dk] in ONE llama_decode (per-token seq_id, pos, logits flags);
              the logits are split back per sequence and masked with its own bitmask (verify_logits)
@@ -229,6 +231,7 @@ class BatchScheduler:
         self.max_rows_seen = 0  # the most tokens one step decoded
         self.max_sequences_seen = 0  # the most sequences one step decoded
         self.copies = 0  # prompt prefixes copied from another slot (seq_cp) instead of prefilled
+        self.moves = 0  # sequences moved to a lower slot (_compact)
         self.step_tokens = 0  # tokens of all steps' decodes (verify rows + prefill chunks; metrics: per step)
         self.step_sequences = 0  # sequences of all steps' decodes (metrics: sequences per step)
         self.aborted = 0  # sequences that left unfinished (on_step raised: cancelled, timed out; or failed)
@@ -283,6 +286,12 @@ class BatchScheduler:
         return sum(r is not None for r in self._slots)
 
     @property
+    def held_slots(self) -> list[int]:
+        """The seq_ids of the sequences holding a slot, increasing: ``0 … active - 1`` whenever a step decodes
+        (``_compact``)."""
+        return [s for s, r in enumerate(list(self._slots)) if r is not None]
+
+    @property
     def waiting(self) -> int:
         """Sequences waiting for a free slot."""
         return len(self._waiting)
@@ -312,6 +321,7 @@ class BatchScheduler:
                 if self._closed and self.active == 0:
                     return
                 self._admit()
+                self._compact()
             try:
                 self._step()
             except BaseException as e:  # noqa: BLE001 - a failed step fails its sequences, never the thread
@@ -342,6 +352,27 @@ class BatchScheduler:
                 self.ctx.crop(slot, keep)
             self._big[slot] = req.big  # prefill_classes' plan, or the slot is cleared (_leave)
             req.fed = req.cached = keep
+
+    def _compact(self) -> None:
+        """Keep the sequences holding a slot on the lowest seq_ids: each one above ``active - 1`` moves to a free
+        slot below it (:meth:`SequenceBatchContext.move`; its :class:`SlotTarget` goes with it). llama.cpp runs a
+        decode's sequences in one micro-batch only where their seq_ids follow one another (``split_equal``; see
+        :class:`SequenceBatchContext`): without this, the last sequences of a burst, left on scattered slots, cost
+        one graph run each. The keys/values move bit for bit, so no output changes. Under the lock."""
+        n = self.active
+        holes = [p for p in range(n) if self._slots[p] is None]
+        above = [q for q in range(self.max_batch - 1, n - 1, -1) if self._slots[q] is not None]
+        for p, q in zip(holes, above):
+            self.ctx.move(q, p)
+            req = self._slots[q]
+            self._slots[p], self._slots[q] = req, None
+            req.slot = p
+            moved, freed = self.targets[q], self.targets[p]
+            moved.seq_id, freed.seq_id = p, q
+            self.targets[p], self.targets[q] = moved, freed
+            self._big[p], self._big[q] = self._big[q], 0
+            self._last_used[q] = time.monotonic()
+            self.moves += 1
 
     def _step(self) -> None:
         """One step: draft every running sequence (round-robin within the row cap), then one ``llama_decode`` over

@@ -589,8 +589,13 @@ class SequenceBatchContext:
     ``tests/test_batching.py``). With a unified cache the sequences' cells interleave and the attention sums in
     another order (measured: logits differ by up to ~1).
 
-    llama.cpp splits a batch whose sequences feed different numbers of tokens into several micro-batches of equal
-    tokens per sequence (``split_equal``): one ``llama_decode`` call, a few graph runs.
+    How llama.cpp runs a batch here (``llama_batch_allocr::split_equal(n_ubatch, sequential=true)``, the split a
+    non-unified KV cache asks for): a micro-batch (one graph run) takes the same number of tokens from each of its
+    sequences, and only sequences whose seq_ids follow one another (``s, s + 1, …``) in batch order. So
+    :meth:`decode` lays the batch out by increasing seq_id, and the scheduler keeps the sequences it decodes on the
+    lowest seq_ids (:meth:`move`): 8 sequences of one row each cost 104 ms as seq_ids 0-7 and 322 ms as 0, 4, …, 28
+    (eight graph runs; Qwen2.5-Coder-0.5B Q8_0, 2 threads, Intel Xeon; docs/benchmarks.md "Server under load").
+    Sequences that feed more tokens than the others have their extra tokens run in further micro-batches.
 
     Args:
         model: the loaded GGUF model (its ``n_threads``).
@@ -636,9 +641,11 @@ class SequenceBatchContext:
             if len(self.tokens[s]) + len(toks) > self.seq_ctx:
                 raise ValueError(f"{len(self.tokens[s]) + len(toks)} positions do not fit sequence {s}'s KV cache "
                                  f"({self.seq_ctx})")
+        order = sorted(range(len(parts)), key=lambda k: parts[k][0])  # by seq_id: one micro-batch (class doc)
         b = self.batch
         i = 0
-        for s, toks, rows in parts:
+        for k in order:
+            s, toks, rows = parts[k]
             start, want = len(self.tokens[s]), set(rows)
             for j, tok in enumerate(toks):
                 b.token[i] = tok
@@ -657,10 +664,12 @@ class SequenceBatchContext:
         n_out = sum(len(r) for _, _, r in parts)
         logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(n_out, self.vocab_size)) \
             if n_out else np.zeros((0, self.vocab_size), dtype=np.float32)
-        out, at = [], 0
-        for s, toks, rows in parts:
+        out: list[np.ndarray] = [None] * len(parts)  # type: ignore[list-item]
+        at = 0
+        for k in order:  # llama.cpp returns the logits in batch order
+            s, toks, rows = parts[k]
             self.tokens[s].extend(toks)
-            out.append(logits[at:at + len(rows)].copy())
+            out[k] = logits[at:at + len(rows)].copy()
             at += len(rows)
         return out
 
@@ -690,6 +699,13 @@ class SequenceBatchContext:
         self.lib.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         self.tokens[dst] = list(self.tokens[src])
         self.crop(dst, length)
+
+    def move(self, src: int, dst: int) -> None:
+        """Move sequence ``src`` to seq_id ``dst``: ``dst`` holds what ``src`` held (:meth:`copy` of all of it: the
+        keys/values bit for bit, the buffer copied at the next decode) and ``src`` is emptied (``seq_rm``). What
+        ``dst`` held goes. Raises ``ValueError`` if ``src == dst``."""
+        self.copy(src, dst, len(self.tokens[src]))
+        self.crop(src, 0)
 
     def used(self, seq_id: int) -> int:
         """KV cells sequence ``seq_id`` occupies in llama.cpp (``llama_memory_seq_pos_max + 1``; 0 when empty):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import pytest
 
@@ -121,6 +122,56 @@ def test_concurrent_greedy_equals_each_request_decoded_alone(cpp, questions, ref
     assert sched.active == 0
     if max_rows == 6:
         assert sched.max_rows_seen == 6  # the cap was reached: windows were shortened
+
+
+def test_sequences_move_down_to_the_lowest_seq_ids_and_still_decode_as_alone(cpp, questions, references):
+    """llama.cpp runs a decode's sequences in one micro-batch only over consecutive seq_ids (``split_equal``), so a
+    sequence above a freed slot moves down into it (a KV stream copy): the short request takes slot 0 and leaves
+    first, the one in the top slot moves there; every decode runs while the held slots are 0 … k-1, and every
+    output still equals its request decoded alone (the keys/values move bit for bit)."""
+    gen = Generator(cpp)
+    sched = gen.enable_batching(5, seq_ctx=1024, max_rows=256)  # no sequence waits a step for rows
+    held = []
+    decode = sched.ctx.decode
+
+    def recording(parts):
+        held.append(sched.held_slots)
+        return decode(parts)
+
+    sched.ctx.decode = recording
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        short = pool.submit(decode_bfcl, gen, questions[2], "lookup", max_new_tokens=BUDGETS[2])
+        while sched.held_slots != [0]:  # it holds slot 0 (prefilling) before the others come
+            time.sleep(0.001)
+        rest = {i: pool.submit(decode_bfcl, gen, questions[i], "lookup", max_new_tokens=BUDGETS[i])
+                for i in (0, 1, 3, 4)}
+        outs = {2: short.result()[1]} | {i: f.result()[1] for i, f in rest.items()}
+    assert sched.moves >= 1
+    assert max(len(h) for h in held) == 5
+    assert all(h == list(range(len(h))) for h in held), [h for h in held if h != list(range(len(h)))]
+    for i, out in outs.items():
+        assert out.tokens == references[i].tokens, questions[i]["id"]
+    assert sched.active == 0 and all(sched.ctx.used(s) == len(sched.ctx.tokens[s]) for s in range(5))
+
+
+def test_a_decode_returns_each_parts_logits_whatever_order_the_parts_come_in(cpp):
+    """The batch is laid out by seq_id (one micro-batch); the logits come back in the caller's order of parts."""
+    import numpy as np
+
+    from decoding.llamacpp import SequenceBatchContext
+
+    ctx = SequenceBatchContext(cpp, 3, 256)
+    feeds = {0: [11, 12, 13], 1: [21], 2: [31, 32]}
+    for s in range(3):
+        ctx.decode([(s, [100 + s] * 5, [])])
+    forward = ctx.decode([(s, feeds[s], list(range(len(feeds[s])))) for s in (0, 1, 2)])
+    for s in range(3):
+        ctx.crop(s, 5)
+    backward = ctx.decode([(s, feeds[s], list(range(len(feeds[s])))) for s in (2, 1, 0)])
+    for k, s in enumerate((2, 1, 0)):
+        assert backward[k].shape == (len(feeds[s]), ctx.vocab_size)
+        assert np.array_equal(backward[k], forward[s]), s
+    assert not np.array_equal(forward[0][:1], forward[2][:1])  # the parts' logits differ: a swap would show
 
 
 def test_sampled_batched_output_equals_its_serial_draws_and_validates(cpp, questions):
