@@ -22,7 +22,10 @@ import statistics
 import time
 
 
-def measure(spec: str, *, threads: int, sequences: int = 32, prompt_tokens: int = 600, repeat: int = 3) -> dict:
+def prefilled(spec: str, *, threads: int, sequences: int, prompt_tokens: int):
+    """``timed(parts, repeat)`` over a ``SequenceBatchContext`` of ``sequences`` sequences, each prefilled with the
+    same ``prompt_tokens`` tokens: the median milliseconds of ``repeat`` decodes of ``parts`` (``(seq_id, tokens,
+    rows)``; every sequence cropped back to the prompt after each decode)."""
     from decoding.llamacpp import SequenceBatchContext, load_llamacpp
 
     model = load_llamacpp(spec, n_threads=threads)
@@ -32,7 +35,7 @@ def measure(spec: str, *, threads: int, sequences: int = 32, prompt_tokens: int 
         for a in range(0, prompt_tokens, 256):
             ctx.decode([(s, prompt[a:a + 256], [])])
 
-    def timed(parts) -> float:
+    def timed(parts, repeat: int) -> float:
         times = []
         for r in range(repeat):
             parts_r = [(s, [2000 + r] * len(t), rows) for s, t, rows in parts]
@@ -42,6 +45,15 @@ def measure(spec: str, *, threads: int, sequences: int = 32, prompt_tokens: int 
             for s, _, _ in parts:
                 ctx.crop(s, prompt_tokens)
         return statistics.median(times) * 1000
+
+    return timed
+
+
+def measure(spec: str, *, threads: int, sequences: int = 32, prompt_tokens: int = 600, repeat: int = 3) -> dict:
+    timed_r = prefilled(spec, threads=threads, sequences=sequences, prompt_tokens=prompt_tokens)
+
+    def timed(parts) -> float:
+        return timed_r(parts, repeat)
 
     alone = timed([(0, [0], [0])])
     out = {"model": spec, "threads": threads, "sequences": sequences, "prompt_tokens": prompt_tokens,

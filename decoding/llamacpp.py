@@ -451,6 +451,7 @@ class _Context:
     def __init__(self, model: LlamaCppModel, slots: int = PREFIX_SLOTS):
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
+        self.model = model  # held: the context reads its weights (freed with the model object)
         # llama.cpp splits n_ctx evenly over the sequences, in multiples of 256
         self.ctx, self.mem, self.batch = _new_context(model, slots, -(-model.n_ctx // 256) * 256, model.n_batch)
         self.n_batch = model.n_batch
@@ -612,6 +613,7 @@ class SequenceBatchContext:
             raise ValueError(f"n_seq, seq_ctx and n_batch must be >= 1, got {n_seq}, {seq_ctx}, {n_batch}")
         llama_cpp = _llama_cpp()
         self.lib = llama_cpp
+        self.model = model  # held: the context reads its weights (freed with the model object)
         self.ctx, self.mem, self.batch = _new_context(model, n_seq, seq_ctx, n_batch)
         self.n_seq, self.n_batch, self.vocab_size = n_seq, n_batch, model.vocab_size
         self.seq_ctx = min(seq_ctx, int(llama_cpp.llama_n_ctx(self.ctx)) // n_seq)  # llama.cpp may round it

@@ -11,14 +11,12 @@ micro-batch.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from decoding.llamacpp import SequenceBatchContext, load_llamacpp  # noqa: E402
+from bench.batch_rowcost import prefilled  # noqa: E402
 
 PROMPT = 560
 
@@ -28,22 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    model = load_llamacpp(args.model, n_threads=args.threads)
-    ctx = SequenceBatchContext(model, 32, PROMPT + 256, 512)
-    prompt = [1000 + i % 5000 for i in range(PROMPT)]
-    for s in range(32):
-        for a in range(0, PROMPT, 256):
-            ctx.decode([(s, prompt[a:a + 256], [])])
+    timed_parts = prefilled(args.model, threads=args.threads, sequences=32, prompt_tokens=PROMPT)
 
-    def timed(parts, repeat: int = 5) -> float:
-        times = []
-        for r in range(repeat):
-            t0 = time.perf_counter()
-            ctx.decode([(s, [2000 + r] * n, list(range(n))) for s, n in parts])
-            times.append(time.perf_counter() - t0)
-            for s, _ in parts:
-                ctx.crop(s, PROMPT)
-        return statistics.median(times) * 1000
+    def timed(parts) -> float:  # (seq_id, rows) pairs
+        return timed_parts([(s, [0] * n, list(range(n))) for s, n in parts], 5)
 
     cases = {
         "one row alone": [(0, 1)],

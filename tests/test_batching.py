@@ -174,6 +174,31 @@ def test_a_decode_returns_each_parts_logits_whatever_order_the_parts_come_in(cpp
     assert not np.array_equal(forward[0][:1], forward[2][:1])  # the parts' logits differ: a swap would show
 
 
+def test_a_context_keeps_its_model_alive_when_the_caller_drops_it():
+    """A context reads the model's weights: dropping the caller's last reference to the model must not free them
+    under it (it did: an abort in ``llama_decode``). Run in a child process, so a crash fails this test only."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import gc
+        from decoding import load_llamacpp
+        from decoding.llamacpp import SequenceBatchContext
+
+        def make():
+            return SequenceBatchContext(load_llamacpp("smollm2", n_threads=1, n_ctx=512), 2, 256)
+
+        ctx = make()
+        gc.collect()
+        logits = ctx.decode([(0, [100, 101, 102], [2]), (1, [103], [0])])
+        print(len(logits), logits[0].shape[0], logits[1].shape[0])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "1", "1"]
+
+
 def test_sampled_batched_output_equals_its_serial_draws_and_validates(cpp, questions):
     sampling = SamplingParams(temperature=0.8, seed=7)
     serial = Generator(cpp, window="fixed")  # batched windows are not sized by the row cost: the same windows
