@@ -14,12 +14,19 @@ at a time (default 1: one at a time), ``on`` is continuous batching (``--max-bat
 both load the model once, with the same ``--threads``. Each server's serial answers (the largest count's prompts, sent
 alone) are the reference of its concurrent runs. The summary ends with ``speedup``: batching-on requests/s over
 batching-off requests/s per client count.
+
+``--rounds R`` (with ``--batching off,on``) starts both servers at once and interleaves them: each server's serial
+answers first, then R rounds, each running every client count against each server in turn (the order reversed
+every other round), so the two modes of a pair run minutes apart at most; ``speedup`` is then the median over rounds
+of each round's on / off ratio (``speedup_rounds``: every round's), and every run carries its ``round``.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
+import math
 import statistics
 import time
 
@@ -58,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="batching on: γ of that server's requests (default: the engine's); off keeps the default")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (1: the identity configuration)")
     ap.add_argument("--backend", default=None, help="decoding backend (default: llama.cpp for a GGUF)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --batching off,on: both servers up at once, R interleaved rounds, median speedup")
     ap.add_argument("--out", default=None, help="write the JSON summary here too")
     ap.add_argument("--url", default=None,
                     help="clients only, against a server already running (its own process), e.g. "
@@ -68,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.batching.split(",")
     if any(m not in ("off", "on") for m in modes) or any(c < 1 for c in counts):
         ap.error("--batching takes off, on or off,on; client counts are >= 1")
+    if args.rounds < 1 or (args.rounds > 1 and (args.url or sorted(modes) != ["off", "on"])):
+        ap.error("--rounds takes R >= 1; R > 1 needs --batching off,on and no --url")
     if args.url:
         runs = load_clients(args.url, args.model, counts, args.max_tokens)
         for summary in runs:
@@ -82,25 +93,54 @@ def main(argv: list[str] | None = None) -> int:
 
     loaded = Generator(args.model, backend=args.backend, threads=args.threads).loaded  # one load, shared
     runs, ok = [], True
-    for mode in modes:
+
+    def server(mode: str):
         engine = LocalEngine(Generator(loaded))
         batch = dict(max_batch=args.max_batch, seq_ctx=args.seq_ctx, max_rows=args.max_rows) if mode == "on" else {}
         if batch and args.fast_prefill:
             engine.generator.enable_batching(**batch, exact_prefill=False)
         gamma = args.batch_num_draft_tokens if mode == "on" else None
-        for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch, gamma):
-            summary["batching"] = mode
-            summary["num_draft_tokens"] = gamma if gamma is not None else DEFAULT_NUM_DRAFT_TOKENS
-            ok &= summary["valid"] == summary["equal_to_serial"] == summary["clients"] == summary["answered"]
-            print(json.dumps(summary), flush=True)
-            runs.append(summary)
+        return engine, batch, gamma
+
+    def report(summary: dict, mode: str, gamma: int | None) -> None:
+        nonlocal ok
+        summary["batching"] = mode
+        summary["num_draft_tokens"] = gamma if gamma is not None else DEFAULT_NUM_DRAFT_TOKENS
+        ok &= summary["valid"] == summary["equal_to_serial"] == summary["clients"] == summary["answered"]
+        print(json.dumps(summary), flush=True)
+        runs.append(summary)
+
+    if args.rounds == 1:
+        for mode in modes:
+            engine, batch, gamma = server(mode)
+            for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch, gamma):
+                report(summary, mode, gamma)
+    else:
+        with contextlib.ExitStack() as stack:
+            up = {}
+            for mode in modes:
+                engine, batch, gamma = server(mode)
+                url = stack.enter_context(ServerThread(make_app(engine, args.model, counts, args.max_tokens,
+                                                                args.concurrency, batch, gamma)))
+                clients = LoadClients(url, args.model, args.max_tokens)
+                up[mode] = (clients, clients.serial(prompts(max(counts))), batch, gamma)
+            for r in range(args.rounds):
+                for n in counts:
+                    for mode in (modes if r % 2 == 0 else modes[::-1]):
+                        clients, alone, batch, gamma = up[mode]
+                        summary = clients.concurrent(n, alone, args.concurrency, batch)
+                        summary["round"] = r + 1
+                        report(summary, mode, gamma)
     result: dict = {"runs": runs}
     if len(runs) == 1:
         result = runs[0]
     elif set(modes) == {"off", "on"}:
-        rate = {(r["batching"], r["clients"]): r["requests_per_s"] for r in runs}
-        result["speedup"] = {str(c): round(rate["on", c] / rate["off", c], 2) for c in counts}
-        print(json.dumps({"speedup": result["speedup"]}))
+        rate = {(r["batching"], r["clients"], r.get("round", 1)): r["requests_per_s"] for r in runs}
+        ratios = {c: [rate["on", c, k] / rate["off", c, k] for k in range(1, args.rounds + 1)] for c in counts}
+        result["speedup"] = {str(c): round(statistics.median(v), 2) for c, v in ratios.items()}
+        if args.rounds > 1:
+            result["speedup_rounds"] = {str(c): [round(x, 2) for x in v] for c, v in ratios.items()}
+        print(json.dumps({k: result[k] for k in ("speedup", "speedup_rounds") if k in result}))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -112,12 +152,17 @@ def run_server(engine: LocalEngine, model: str, counts: list[int], max_tokens: i
     """One server over ``engine`` (``batch``: ``create_app``'s continuous-batching arguments, or none;
     ``num_draft_tokens``: γ of its requests, None: the engine's default): the serial answers of ``max(counts)``
     prompts, then each count of concurrent streamed clients. One summary per count."""
+    with ServerThread(make_app(engine, model, counts, max_tokens, concurrency, batch, num_draft_tokens)) as url:
+        return load_clients(url, model, counts, max_tokens, concurrency, batch)
+
+
+def make_app(engine: LocalEngine, model: str, counts: list[int], max_tokens: int, concurrency: int, batch: dict,
+             num_draft_tokens: int | None = None):
+    """The server application :func:`run_server` runs (arguments as there)."""
     config = EngineConfig(max_string_length=64, max_decimals=6, max_new_tokens=max_tokens).override(
         num_draft_tokens=num_draft_tokens)
-    app = create_app(engine, model_name=model, config=config, max_waiting=max(64, max(counts)),
-                     concurrency=concurrency, **batch)
-    with ServerThread(app) as url:
-        return load_clients(url, model, counts, max_tokens, concurrency, batch)
+    return create_app(engine, model_name=model, config=config, max_waiting=max(64, max(counts)),
+                      concurrency=concurrency, **batch)
 
 
 def load_clients(url: str, model: str, counts: list[int], max_tokens: int, concurrency: int = 1,
@@ -125,45 +170,59 @@ def load_clients(url: str, model: str, counts: list[int], max_tokens: int, concu
     """The clients' side against the server at ``url`` (``…/v1``; in this process or another): the serial answers
     of ``max(counts)`` prompts, then each count of concurrent streamed clients. One summary per count
     (``concurrency`` / ``batch`` only label it)."""
-    import openai
+    clients = LoadClients(url, model, max_tokens)
+    alone = clients.serial(prompts(max(counts)))
+    return [clients.concurrent(n, alone, concurrency, batch) for n in counts]
 
-    registry = ToolRegistry(TOOLS)
-    tools = [t.to_openai() for t in registry]
-    todo = prompts(max(counts))
-    summaries = []
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
-    request = dict(model=model, tools=tools, tool_choice="required", max_tokens=max_tokens)
 
-    def serial(prompt: str):
-        t0 = time.perf_counter()
-        r = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **request)
-        m = r.choices[0].message
-        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
-        return (m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens, \
-            time.perf_counter() - t0
+class LoadClients:
+    """OpenAI clients of the server at ``url`` (``…/v1``), the demo tools, ``tool_choice="required"``, greedy."""
 
-    def streamed(prompt: str):
-        t0, first = time.perf_counter(), []
+    def __init__(self, url: str, model: str, max_tokens: int):
+        import openai
 
-        def chunks():
-            for ch in client.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=True,
-                                                     stream_options={"include_usage": True}, **request):
-                if not first and any(c.delta.content or c.delta.tool_calls for c in ch.choices):
-                    first.append(time.perf_counter() - t0)
-                yield ch
-        content, calls, finish, usage = collect_stream(chunks())
-        answer = (content, [(c["name"], c["arguments"]) for c in calls], finish)
-        return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
+        self.model, self.max_tokens = model, max_tokens
+        self.registry = ToolRegistry(TOOLS)
+        self.client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
+        self.request = dict(model=model, tools=[t.to_openai() for t in self.registry], tool_choice="required",
+                            max_tokens=max_tokens)
 
-    alone = [serial(p) for p in todo]
-    for n in counts:
+    def serial(self, todo: list[str]) -> list[tuple]:
+        """Each prompt sent alone, non-streamed, one after another: ``(answer, completion tokens, seconds)`` each,
+        ``answer`` = ``(content, [(name, arguments)], finish_reason)``."""
+        out = []
+        for prompt in todo:
+            t0 = time.perf_counter()
+            r = self.client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **self.request)
+            m = r.choices[0].message
+            calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+            out.append(((m.content or "", calls, r.choices[0].finish_reason), r.usage.completion_tokens,
+                        time.perf_counter() - t0))
+        return out
+
+    def concurrent(self, n: int, alone: list[tuple], concurrency: int = 1, batch: dict | None = None) -> dict:
+        """The first ``n`` prompts streamed at once; their summary against ``alone`` (:meth:`serial`'s answers)."""
+
+        def streamed(prompt: str):
+            t0, first = time.perf_counter(), []
+
+            def chunks():
+                for ch in self.client.chat.completions.create(
+                        messages=[{"role": "user", "content": prompt}], stream=True,
+                        stream_options={"include_usage": True}, **self.request):
+                    if not first and any(c.delta.content or c.delta.tool_calls for c in ch.choices):
+                        first.append(time.perf_counter() - t0)
+                    yield ch
+            content, calls, finish, usage = collect_stream(chunks())
+            answer = (content, [(c["name"], c["arguments"]) for c in calls], finish)
+            return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
+
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            together = list(pool.map(streamed, todo[:n]))
+            together = list(pool.map(streamed, prompts(len(alone))[:n]))
         wall = time.perf_counter() - t0
-        summaries.append(summarize(registry, model, max_tokens, concurrency, batch or {}, together, alone[:n],
-                                   wall))
-    return summaries
+        return summarize(self.registry, self.model, self.max_tokens, concurrency, batch or {}, together, alone[:n],
+                         wall)
 
 
 def summarize(registry, model, max_tokens, concurrency, batch, together, alone, wall) -> dict:
@@ -184,7 +243,7 @@ def summarize(registry, model, max_tokens, concurrency, batch, together, alone, 
             "calls": sum(len(t[0][1]) for t in together), "wall_s": round(wall, 2),
             "requests_per_s": round(len(together) / wall, 3), "completion_tokens_per_s": round(tokens / wall, 1),
             "latency_p50_s": round(statistics.median(latencies), 2),
-            "latency_p95_s": round(latencies[max(0, int(0.95 * len(latencies)) - 1)], 2),
+            "latency_p95_s": round(latencies[math.ceil(0.95 * len(latencies)) - 1], 2),  # nearest rank
             "first_chunk_p50_s": round(statistics.median(firsts), 2) if firsts else None,
             "serial_tokens_per_s": round(sum(a[1] for a in alone) / sum(a[2] for a in alone), 1)}
 

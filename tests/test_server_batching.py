@@ -287,3 +287,27 @@ def test_serve_load_runs_its_clients_in_process_or_against_a_running_server(tmp_
     assert outside["server"] == url and outside["clients"] == outside["valid"] == outside["equal_to_serial"] == 2
     assert inside["clients"] == inside["valid"] == inside["equal_to_serial"] == 2
     assert outside["calls"] == inside["calls"] and outside["max_tokens"] == 48
+
+
+def test_serve_load_interleaves_rounds_of_both_servers_and_takes_the_median_ratio(tmp_path):
+    """``--rounds R``: both servers up at once, each round runs off and on in turn (the order reversed every other
+    round), every run checked against its own server's serial answers; ``speedup`` is the median of the rounds'
+    on / off ratios."""
+    import statistics
+
+    from bench import serve_load
+
+    out = tmp_path / "rounds.json"
+    assert serve_load.main(["--model", "smollm2", "--clients", "2", "--max-tokens", "48", "--threads", "1",
+                            "--batching", "off,on", "--max-batch", "2", "--rounds", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    order = [(r["round"], r["batching"]) for r in result["runs"]]
+    assert order == [(1, "off"), (1, "on"), (2, "on"), (2, "off"), (3, "off"), (3, "on")]
+    assert all(r["clients"] == r["valid"] == r["equal_to_serial"] == 2 for r in result["runs"])
+    assert all(r["latency_p95_s"] >= r["latency_p50_s"] for r in result["runs"])  # nearest rank, of 2 the slower
+    rate = {(r["round"], r["batching"]): r["requests_per_s"] for r in result["runs"]}
+    ratios = [rate[k, "on"] / rate[k, "off"] for k in (1, 2, 3)]
+    assert result["speedup_rounds"]["2"] == [round(x, 2) for x in ratios]
+    assert result["speedup"]["2"] == round(statistics.median(ratios), 2)
+    with pytest.raises(SystemExit):
+        serve_load.main(["--model", "smollm2", "--batching", "on", "--rounds", "2"])
