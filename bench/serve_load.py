@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             for summary in run_server(engine, args.model, counts, args.max_tokens, args.concurrency, batch, gamma):
                 report(summary, mode, gamma)
     else:
+        todo = prompts(max(counts))
         with contextlib.ExitStack() as stack:
             up = {}
             for mode in modes:
@@ -123,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                 url = stack.enter_context(ServerThread(make_app(engine, args.model, counts, args.max_tokens,
                                                                 args.concurrency, batch, gamma)))
                 clients = LoadClients(url, args.model, args.max_tokens)
-                up[mode] = (clients, clients.serial(prompts(max(counts))), batch, gamma)
+                up[mode] = (clients, clients.serial(todo), batch, gamma)
             for r in range(args.rounds):
                 for n in counts:
                     for mode in (modes if r % 2 == 0 else modes[::-1]):
                         clients, alone, batch, gamma = up[mode]
-                        summary = clients.concurrent(n, alone, args.concurrency, batch)
+                        summary = clients.concurrent(todo[:n], alone[:n], args.concurrency, batch)
                         summary["round"] = r + 1
                         report(summary, mode, gamma)
     result: dict = {"runs": runs}
@@ -170,9 +171,9 @@ def load_clients(url: str, model: str, counts: list[int], max_tokens: int, concu
     """The clients' side against the server at ``url`` (``…/v1``; in this process or another): the serial answers
     of ``max(counts)`` prompts, then each count of concurrent streamed clients. One summary per count
     (``concurrency`` / ``batch`` only label it)."""
-    clients = LoadClients(url, model, max_tokens)
-    alone = clients.serial(prompts(max(counts)))
-    return [clients.concurrent(n, alone, concurrency, batch) for n in counts]
+    clients, todo = LoadClients(url, model, max_tokens), prompts(max(counts))
+    alone = clients.serial(todo)
+    return [clients.concurrent(todo[:n], alone[:n], concurrency, batch) for n in counts]
 
 
 class LoadClients:
@@ -200,8 +201,8 @@ class LoadClients:
                         time.perf_counter() - t0))
         return out
 
-    def concurrent(self, n: int, alone: list[tuple], concurrency: int = 1, batch: dict | None = None) -> dict:
-        """The first ``n`` prompts streamed at once; their summary against ``alone`` (:meth:`serial`'s answers)."""
+    def concurrent(self, todo: list[str], alone: list[tuple], concurrency: int = 1, batch: dict | None = None) -> dict:
+        """The prompts streamed at once; their summary against ``alone`` (:meth:`serial`'s answers to them)."""
 
         def streamed(prompt: str):
             t0, first = time.perf_counter(), []
@@ -218,11 +219,10 @@ class LoadClients:
             return answer, usage.completion_tokens, time.perf_counter() - t0, first[0] if first else None
 
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            together = list(pool.map(streamed, prompts(len(alone))[:n]))
+        with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+            together = list(pool.map(streamed, todo))
         wall = time.perf_counter() - t0
-        return summarize(self.registry, self.model, self.max_tokens, concurrency, batch or {}, together, alone[:n],
-                         wall)
+        return summarize(self.registry, self.model, self.max_tokens, concurrency, batch or {}, together, alone, wall)
 
 
 def summarize(registry, model, max_tokens, concurrency, batch, together, alone, wall) -> dict:

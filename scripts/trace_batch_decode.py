@@ -2,9 +2,11 @@
 
 Usage: ``python scripts/trace_batch_decode.py OUT.jsonl [bench.serve_load arguments …]``. Wraps
 ``decoding.llamacpp.SequenceBatchContext.decode`` and writes one JSON line per decode (``t`` start, ``ms``,
-``parts`` sequences, ``tokens`` fed, ``rows`` with logits, ``maxpos`` the longest sequence's KV positions, ``lens`` the tokens of each sequence in seq_id order, ``ubatches``
-the micro-batches llama.cpp's ``split_equal(sequential=true)`` makes of them: :func:`micro_batches`), then prints, for the concurrent phase (from the first decode of more than one sequence), the decodes, their seconds and
-milliseconds per token fed (docs/benchmarks.md, "Server under load on the Intel Xeon").
+``parts`` sequences, ``tokens`` fed, ``rows`` with logits, ``maxpos`` the longest sequence's KV positions, ``lens``
+each sequence's ``(seq_id, tokens)`` in seq_id order), then prints the concurrent phase's summary (:func:`summary`:
+from the first decode of more than one sequence; its decodes by the micro-batches llama.cpp makes of them,
+:func:`micro_batches`, and by sequence count; docs/benchmarks.md, "Server under load").
+``python scripts/trace_batch_decode.py --summary OUT.jsonl`` prints that summary of a trace already written.
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ def micro_batches(lens: list[tuple[int, int]], n_ubatch: int = 512) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--summary"]:
+        print(summary([json.loads(line) for line in Path(argv[1]).read_text().splitlines()]))
+        return 0
     out = Path(argv[0])
     records: list[dict] = []
     decode = llamacpp.SequenceBatchContext.decode
@@ -57,21 +62,33 @@ def main(argv: list[str]) -> int:
     llamacpp.SequenceBatchContext.decode = traced
     rc = serve_load.main(argv[1:])
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(summary(records))
+    return rc
+
+
+def summary(records: list[dict]) -> str:
+    """The concurrent phase of a trace (from its first decode of more than one sequence): decodes, seconds in
+    ``llama_decode``, tokens fed, milliseconds per token fed and micro-batches, for all its decodes and by kind."""
     first = next((i for i, r in enumerate(records) if r["parts"] > 1), None)
     if first is None:
-        print("no decode of more than one sequence")
-        return rc
+        return "no decode of more than one sequence"
     phase = records[first:]
     per_token = [r["ms"] / r["tokens"] for r in phase]
-    print(f"concurrent phase: {len(phase)} decodes over {phase[-1]['t'] - phase[0]['t']:.1f} s, "
-          f"{sum(r['ms'] for r in phase) / 1e3:.1f} s in llama_decode, {sum(r['tokens'] for r in phase)} tokens fed, "
-          f"ms per token fed: median {statistics.median(per_token):.1f} (min {min(per_token):.1f}, "
-          f"max {max(per_token):.1f})")
+    lines = [f"concurrent phase: {len(phase)} decodes over {phase[-1]['t'] - phase[0]['t']:.1f} s, "
+             f"ms per token fed: median {statistics.median(per_token):.1f} (min {min(per_token):.1f}, "
+             f"max {max(per_token):.1f})",
+             "| decodes | decodes | seconds | tokens fed | ms per token fed | micro-batches |",
+             "|---|---:|---:|---:|---:|---:|"]
     runs = [micro_batches(r["lens"]) for r in phase]
-    extra = [r for r, n in zip(phase, runs) if n > 1]
-    print(f"micro-batches per decode: {sum(runs)} in {len(phase)} decodes; {len(extra)} decodes of more than one "
-          f"({sum(r['ms'] for r in extra) / 1e3:.1f} s)")
-    return rc
+    kinds = {"all": lambda r, n: True, "of one micro-batch": lambda r, n: n == 1,
+             "of several": lambda r, n: n > 1, "of 16 sequences or more": lambda r, n: r["parts"] >= 16,
+             "of fewer": lambda r, n: r["parts"] < 16}
+    for name, keep in kinds.items():
+        chosen = [(r, n) for r, n in zip(phase, runs) if keep(r, n)]
+        ms, tokens = sum(r["ms"] for r, _ in chosen), sum(r["tokens"] for r, _ in chosen)
+        lines.append(f"| {name} | {len(chosen)} | {ms / 1e3:.1f} | {tokens} | "
+                     f"{ms / tokens if tokens else float('nan'):.1f} | {sum(n for _, n in chosen)} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
