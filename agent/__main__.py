@@ -132,8 +132,8 @@ def cmd_demo(args) -> int:
     from .demo_tools import PROMPTS, TOOLS
 
     t = time.perf_counter()
-    # bounded strings and numbers in the grammar: a 135M model can otherwise run on inside a value
-    agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6)
+    # bounded strings, numbers and lists in the grammar: a 135M model can otherwise run on inside a value
+    agent = _agent(args, TOOLS, max_string_length=64, max_decimals=6, max_items=32)
     print(_model_line(agent, args, time.perf_counter() - t))
     for prompt in PROMPTS:
         res = agent.run(prompt, tool_choice=args.tool_choice, max_new_tokens=args.max_new_tokens)
@@ -177,7 +177,7 @@ def _config(args):
 
     return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
                         window=args.window, max_string_length=args.max_string_length, max_decimals=args.max_decimals,
-                        max_new_tokens=args.max_new_tokens, grounding=args.grounding,
+                        max_items=args.max_items, max_new_tokens=args.max_new_tokens, grounding=args.grounding,
                         close_at_model_end=args.close_at_model_end)
 
 
@@ -185,6 +185,19 @@ def _drafter_label(generator, name: str) -> str:
     """``name``, with what ``auto`` resolves to for this model (e.g. ``auto (lookup_mtp)``)."""
     resolved = generator.resolve_drafter(name)
     return name if resolved == name else f"{name} ({resolved})"
+
+
+def _items(text: str) -> int | str:
+    """``--max-items``: a count of items >= 1, or ``none``."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count of items or 'none', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a count of items >= 1 or 'none', got {n}")
+    return n
 
 
 def _decimals(text: str) -> int | str:
@@ -202,7 +215,7 @@ def _decimals(text: str) -> int | str:
 
 def cmd_bfcl(args) -> int:
     # the benchmark's runner and scorer live in bench/, outside the product packages: imported only here
-    from bench.bfcl import CATEGORIES, MAX_STRING_LENGTH, run_bfcl, summary_table
+    from bench.bfcl import CATEGORIES, MAX_ITEMS, MAX_STRING_LENGTH, run_bfcl, summary_table
     from bench.parse_only import RUNTIMES, parse_only_factory
 
     from .agent import Agent
@@ -213,6 +226,7 @@ def cmd_bfcl(args) -> int:
         args.max_string_length = MAX_STRING_LENGTH
     if args.max_decimals == "none":  # numbers unbounded (the default, as the Agent's): exponents can be written
         args.max_decimals = None
+    args.max_items = MAX_ITEMS if args.max_items is None else None if args.max_items == "none" else args.max_items
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?
@@ -304,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-decimals", type=_decimals, default="none",
                    help="grammar bound on numbers: N decimals, no exponent, |x| <= 1e15; 'none' (default, as the "
                         "Agent's): unbounded (llguidance admits an exponent only in an unbounded number)")
+    p.add_argument("--max-items", type=_items, default=None,  # None: bench.bfcl.MAX_ITEMS
+                   help="grammar cap on the items of arrays that set no maxItems (default 32); 'none': no cap")
     p.add_argument("--runtime", default="ours",
                    help="ours (grammar-constrained) | parse-only (free generation, then vLLM's hermes parser or the "
                         "format's own) | ours,parse-only (both, one table)")
@@ -335,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: new requests get 503; in-flight ones get this many seconds to finish")
     p.add_argument("--max-string-length", type=int, default=None, help="default grammar cap on unbounded strings")
     p.add_argument("--max-decimals", type=int, default=None, help="default grammar bound on numbers")
+    p.add_argument("--max-items", type=int, default=None, help="default grammar cap on the items of unbounded arrays")
     p.set_defaults(fn=cmd_serve)
     return ap
 

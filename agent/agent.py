@@ -89,7 +89,7 @@ class Agent:
         tools: functions, pydantic models, OpenAI tool dicts or :class:`Tool` objects.
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``window``, ``max_string_length``, ``max_decimals``,
-            ``grounding`` override its fields (None: keep). ``grounding`` (default True): calls judged by where their values come
+            ``max_items``, ``grounding`` override its fields (None: keep). ``grounding`` (default True): calls judged by where their values come
             from (``agent.grounding``): optional arguments the conversation does not write are dropped, and a turn
             whose calls take nothing from it is decoded again without those tools.
         draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
@@ -115,7 +115,7 @@ class Agent:
     def __init__(self, model: Engine | LoadedModel | Generator | str = DEFAULT_MODEL, tools: Iterable[Any] = (), *,
                  config: EngineConfig | None = None, drafter: str | None = None, num_draft_tokens: int | None = None,
                  adaptive: bool | None = None, window: str | None = None, max_string_length: int | None = None,
-                 max_decimals: int | None = None,
+                 max_decimals: int | None = None, max_items: int | None = None,
                  grounding: bool | None = None, draft_model: Any = None, device: str | None = None,
                  dtype: str | None = None, max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
@@ -139,7 +139,8 @@ class Agent:
                                       drafter=drafter or (config.drafter if config is not None else None))
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive, window=window,
-            max_string_length=max_string_length, max_decimals=max_decimals, grounding=grounding)
+            max_string_length=max_string_length, max_decimals=max_decimals, max_items=max_items,
+            grounding=grounding)
         self.registry = ToolRegistry(strict=strict)
         self._tool_sources: list[tuple[Any, bool | None]] = []
         for t in tools:

@@ -46,6 +46,8 @@ class EngineConfig:
             the Generator's (``"cost"``). The output is the same either way.
         max_string_length: grammar cap (characters) on argument strings the schema leaves unbounded (None: no cap).
         max_decimals: grammar bound on numbers: decimals, no exponent, ``|x| <= 1e15`` (None: unbounded).
+        max_items: grammar cap on the items of argument arrays the schema leaves unbounded (no ``maxItems``;
+            ``schemas.bound_arrays``), so a runaway list closes at the cap and the model goes on (None: no cap).
         temperature, top_p, seed: sampling (greedy when ``temperature`` is 0).
         max_new_tokens: output budget of one turn (tokens).
         max_parallel_calls: the most calls one several-call turn returns (``agent.parallel_calls``: the turn also
@@ -81,6 +83,7 @@ class EngineConfig:
     window: str | None = None
     max_string_length: int | None = None
     max_decimals: int | None = None
+    max_items: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -109,6 +112,8 @@ class EngineConfig:
             _check_int("max_string_length", self.max_string_length, 1)
         if self.max_decimals is not None:
             _check_int("max_decimals", self.max_decimals, 0)
+        if self.max_items is not None:
+            _check_int("max_items", self.max_items, 1)
         if self.seed is not None:
             _check_int("seed", self.seed, None)
             if not -2 ** 63 <= self.seed < 2 ** 64:  # what a torch.Generator takes
@@ -413,7 +418,7 @@ class LocalEngine:
         schema = getattr(response_format, "schema", response_format)
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
                                            lenient_answer=not strict, max_string_length=config.max_string_length,
-                                           max_decimals=config.max_decimals,
+                                           max_decimals=config.max_decimals, max_items=config.max_items,
                                            after_results=messages[-1]["role"] == "tool",
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls

@@ -42,6 +42,9 @@ SPLITS = ("dev", "test")
 IRRELEVANCE_MAX_NEW_TOKENS = 48
 DEFAULT_DATA_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "bfcl"
 MAX_STRING_LENGTH = 200  # grammar cap on unbounded argument strings (characters): ``--max-string-length``
+# grammar cap on the items of arrays that set no maxItems (``--max-items``; schemas.bound_arrays): 4x the longest
+# array of any dev-split ground truth (7 items), so no answer BFCL holds is cut, and a runaway list closes
+MAX_ITEMS = 32
 # grammar bound on numbers (decimals, |x| <= 1e15) of the speed benchmark's grammars (bench.run, MTP data); the
 # bfcl command leaves numbers unbounded unless ``--max-decimals N`` (llguidance admits no exponent in a bounded
 # number, and BFCL's ground truth writes some in exponent form: dev split, docs/benchmarks.md)

@@ -1,6 +1,6 @@
 """Narrowing a JSON Schema for the grammar: a copy whose language is a subset of the original's, so every output
 the grammar allows still validates against the original schema (validation always uses the original): closed
-objects, bounded scalars, calendar-valid dates, date/time formats stated in descriptions.
+objects, bounded scalars and arrays, calendar-valid dates, date/time formats stated in descriptions.
 
 These are pure JSON Schema → JSON Schema transformations, so they live in ``schemas/`` (no grammar engine needed).
 The grammar may enforce a *subset* of what a schema allows, but it must never turn a satisfiable schema into an
@@ -378,13 +378,48 @@ def bound_integers(schema: Any) -> Any:
     return schema
 
 
+def bound_arrays(schema: Any, max_items: int) -> Any:
+    """A copy of ``schema`` where each array with no ``maxItems`` (and no ``enum``/``const``) takes
+    ``maxItems: max_items`` — or its ``minItems``, or the count of its positional items (``prefixItems``, a draft-04
+    ``items`` list), where that is larger — for the grammar only, so a small model cannot run away inside a list
+    (seen on Qwen2.5-Coder-0.5B: ``"start_board": [0, 0, 0, …]`` until the token budget ran out, the turn then cut
+    and its calls lost). At the cap the grammar allows only the array's close, and the model goes on from there.
+    Arrays under ``not``, ``if`` or ``oneOf`` are left alone (:func:`narrowable_nodes`); a satisfiable schema stays
+    satisfiable. Returned as is when nothing applies.
+
+    Raises:
+        ValueError: ``max_items`` below 1.
+    """
+    if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
+        raise ValueError(f"max_items must be an integer >= 1, got {max_items!r}")
+
+    def applies(node: Any) -> bool:
+        if not isinstance(node, dict) or "maxItems" in node or any(k in node for k in ("enum", "const")):
+            return False
+        t = node.get("type")
+        return t == "array" or (isinstance(t, list) and "array" in t)
+
+    if not any(applies(node) for node in narrowable_nodes(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for node in narrowable_nodes(schema):
+        if applies(node):
+            floor = node.get("minItems")
+            floor = int(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) else 0
+            positional = node.get("prefixItems", node.get("items"))
+            if isinstance(positional, list):
+                floor = max(floor, len(positional))
+            node["maxItems"] = max(max_items, floor)
+    return schema
+
+
 # -- the grammar's schema ------------------------------------------------------------------------------------------
 def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
-                       max_decimals: int | None = None,
+                       max_decimals: int | None = None, max_items: int | None = None,
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
     """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
     (:func:`stated_formats`), integers kept to JSON's exact range (:func:`bound_integers`), then bounded scalars
-    (when asked); each narrows only nodes whose narrowing narrows the whole (:func:`narrowable_nodes`).
+    and arrays (when asked: :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing narrows the whole (:func:`narrowable_nodes`).
 
     Args:
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
@@ -396,6 +431,8 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
     steps = [close_objects, stated_formats, bound_integers]
     if max_string_length is not None or max_decimals is not None:
         steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
+    if max_items is not None:
+        steps.append(functools.partial(bound_arrays, max_items=max_items))
     for step in steps:
         narrowed = step(out)
         if narrowed != out and (compiles is None or compiles(narrowed, lenient)):

@@ -42,7 +42,7 @@ def test_config_has_one_default_and_is_frozen():
 @pytest.mark.parametrize("field, value", [("drafter", "magic"), ("num_draft_tokens", -1), ("max_new_tokens", 0),
                                           ("temperature", -0.1), ("top_p", 0.0), ("max_string_length", 0),
                                           ("max_decimals", -2), ("seed", 1.5), ("num_draft_tokens", True),
-                                          ("window", "adaptive")])
+                                          ("window", "adaptive"), ("max_items", 0), ("max_items", 2.5)])
 def test_out_of_range_config_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

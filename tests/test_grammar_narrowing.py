@@ -301,3 +301,38 @@ def test_a_min_length_no_string_can_reach_is_named():
     with pytest.raises(SchemaError, match="keyword 'minLength' at /properties/a/minLength") as err:
         Tool.from_schema("f", {"type": "object", "properties": {"a": {"type": "string", "minLength": 2 ** 32}}})
     assert err.value.pointer == "/properties/a/minLength" and err.value.tool == "f"
+
+
+# -- 3. arrays: a grammar-only cap on their items ----------------------------------------------------------------
+def test_bound_arrays_caps_only_arrays_the_schema_leaves_unbounded():
+    from schemas import bound_arrays
+
+    schema = {"type": "object", "properties": {
+        "free": {"type": "array", "items": {"type": "integer"}},
+        "capped": {"type": "array", "maxItems": 100},
+        "long": {"type": "array", "minItems": 50},
+        "tuple": {"type": "array", "prefixItems": [{"type": "integer"}] * 6},
+        "nullable": {"type": ["array", "null"], "items": {"type": "array", "items": {"type": "string"}}},
+        "fixed": {"type": "array", "enum": [[1, 2]]},
+        "negated": {"not": {"type": "array"}}}}
+    out = bound_arrays(schema, 4)["properties"]
+    assert out["free"]["maxItems"] == 4 and out["long"]["maxItems"] == 50 and out["tuple"]["maxItems"] == 6
+    assert out["capped"]["maxItems"] == 100 and "maxItems" not in out["fixed"] and out["negated"] == {"not": {"type": "array"}}
+    assert out["nullable"]["maxItems"] == 4 and out["nullable"]["items"]["maxItems"] == 4  # nested lists too
+    assert "maxItems" not in schema["properties"]["free"]  # a copy: the registered schema is untouched
+    plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert bound_arrays(plain, 4) is plain
+    with pytest.raises(ValueError, match="max_items"):
+        bound_arrays(schema, 0)
+
+
+def test_the_item_cap_closes_a_list_and_never_makes_a_schema_unsatisfiable(llt, smol_tokenizer):
+    schema = {"type": "object", "properties": {"board": {"type": "array", "items": {"type": "integer"}},
+                                               "moves": {"type": "array", "minItems": 5, "items": {"type": "string"}}},
+              "required": ["board"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_items=3)
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0]}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0, 0]}))
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [], "moves": list("abcde")}))
+    free = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, free, call("f", {"board": [0] * 40}))  # no cap unless asked for

@@ -218,6 +218,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "argu
     (dict(drafter="draft_model"), 400, "drafter", "draft_model"),
     (dict(num_draft_tokens=33), 400, "num_draft_tokens", "at most 32"),
     (dict(window="auto"), 400, "window", "unknown window 'auto'; choose one of cost, fixed"),
+    (dict(max_items=0), 400, "max_items", ">= 1"),
     (dict(tools=TOOLS, messages=user("x") + [{"role": "tool", "content": "1"}]), 400, "messages[1].tool_call_id",
      "required"),
     (dict(tools=TOOLS, messages=user("x") + [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]), 400,

@@ -578,3 +578,24 @@ def test_the_models_end_after_a_whole_call_closes_an_open_layout(smol_dir, draft
     assert turn.text == call_text("generic", [("get_weather", OSLO)]) and turn.stats.closed_at_end == 1
     hermes = make_format(None, "hermes")
     assert list(hermes.closed_turns(call_text("hermes", [("get_weather", OSLO)]) + "\n")) == []
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_runaway_list_closes_at_the_item_cap_and_the_turn_is_not_cut(smol_dir, name, drafter):
+    """A model that never ends a list (BFCL parallel_multiple_52: ``start_board: [0, 0, …]``, its argmax never an
+    end token there) runs to the budget and the turn returns no call; with ``max_items`` the grammar allows only the
+    list's close after that many items, and the call closes whole and valid."""
+    fmt, gen = scripted(smol_dir, name, play_text(name, '{"rounds": 3, "board": [' + "0, " * 80), None)
+    engine = LocalEngine(gen)
+    messages = [{"role": "user", "content": "Play 3 rounds on an empty board."}]
+    cut = engine.turn(messages, [PLAY], "required", config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    assert cut.stop_reason == "length" and cut.calls is None
+    turn = engine.turn(messages, [PLAY], "required",
+                       config=EngineConfig(drafter=drafter, max_new_tokens=120, max_items=4))
+    assert not turn.truncated, turn.text
+    assert turn.calls[0] == {"name": "play", "arguments": {"rounds": 3, "board": [0, 0, 0, 0]}}
+    for c in turn.calls:
+        PLAY.validate(c["arguments"])
+    res = Agent(engine, [PLAY], max_items=4).run(messages, tool_choice="required", max_new_tokens=120, max_steps=1)
+    assert not res.truncated and res.pending_calls[0].arguments == {"rounds": 3, "board": [0, 0, 0, 0]}

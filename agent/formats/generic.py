@@ -162,7 +162,7 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_too
 
 def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool = True,
                  response_format: dict | None = None, max_string_length: int | None = None,
-                 max_decimals: int | None = None, tokenizer=None):
+                 max_decimals: int | None = None, max_items: int | None = None, tokenizer=None):
     """The Lark grammar of one assistant turn in the ``generic`` format, markers as text (see
     ``ToolFormat.turn_grammar``).
 
@@ -174,9 +174,11 @@ def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool
         max_string_length: cap (characters) on argument strings that set no ``maxLength``/``enum``/``const``/
             ``pattern``/``format``, so a call always closes within a token budget. Outputs stay schema-valid.
         max_decimals: bound numbers to this many decimals and ``|x| <= 1e15`` (see :func:`schemas.bound_scalars`).
+        max_items: cap on the items of arrays that set no ``maxItems`` (see :func:`schemas.bound_arrays`).
     """
     return GenericFormat(None).turn_grammar(tools, tool_choice, parallel=parallel, response_format=response_format,
-                                            max_string_length=max_string_length, max_decimals=max_decimals)
+                                            max_string_length=max_string_length, max_decimals=max_decimals,
+                                            max_items=max_items)
 
 
 def parse_turn(text: str) -> tuple[list[dict] | None, str]:
