@@ -320,11 +320,33 @@ def capped_lengths(schema: Any) -> Any:
     return schema
 
 
+# keywords whose value is a count: a non-negative integer, which JSON Schema (draft 6 on) may write as 3.0
+COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains",
+                  "maxContains")
+
+
+def integral_counts(schema: Any) -> Any:
+    """``schema`` with each count keyword written as an integral number (``"minItems": 3.0``, an integer to JSON
+    Schema) as an int, which llguidance's ``%json`` requires ("Expected positive integer for 'minItems', got
+    3.0"); the same language. Returned as is when none is."""
+    def integral_float(v: Any) -> bool:
+        return isinstance(v, float) and v.is_integer()
+
+    if not any(integral_float(node.get(k)) for _, node in walk(schema) for k in COUNT_KEYWORDS):
+        return schema
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        for k in COUNT_KEYWORDS:
+            if integral_float(node.get(k)):
+                node[k] = int(node[k])
+    return schema
+
+
 def engine_schema(schema: Any) -> Any:
-    """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): real calendar dates
-    (:func:`schemas.narrow.calendar_dates`), string lengths it can write (:func:`capped_lengths`) and exact integer
-    bounds (:func:`exact_bounds`)."""
-    return exact_bounds(capped_lengths(calendar_dates(schema)))
+    """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): counts as integers
+    (:func:`integral_counts`), real calendar dates (:func:`schemas.narrow.calendar_dates`), string lengths it can
+    write (:func:`capped_lengths`) and exact integer bounds (:func:`exact_bounds`)."""
+    return exact_bounds(capped_lengths(calendar_dates(integral_counts(schema))))
 
 
 def schema_compiles(schema: Any, lenient: bool = False) -> bool:

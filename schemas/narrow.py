@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import decimal
 import functools
+import math
 import re
 from typing import Any, Callable
 
@@ -380,12 +381,16 @@ def bound_integers(schema: Any) -> Any:
 
 def bound_arrays(schema: Any, max_items: int) -> Any:
     """A copy of ``schema`` where each array with no ``maxItems`` (and no ``enum``/``const``) takes
-    ``maxItems: max_items`` — or its ``minItems``, or the count of its positional items (``prefixItems``, a draft-04
-    ``items`` list), where that is larger — for the grammar only, so a small model cannot run away inside a list
-    (seen on Qwen2.5-Coder-0.5B: ``"start_board": [0, 0, 0, …]`` until the token budget ran out, the turn then cut
-    and its calls lost). At the cap the grammar allows only the array's close, and the model goes on from there.
-    Arrays under ``not``, ``if`` or ``oneOf`` are left alone (:func:`narrowable_nodes`); a satisfiable schema stays
-    satisfiable. Returned as is when nothing applies.
+    ``maxItems: max_items`` for the grammar only, so a small model cannot run away inside a list (seen on
+    Qwen2.5-Coder-0.5B: ``"start_board": [0, 0, 0, …]`` until the token budget ran out, the turn then cut and its
+    calls lost). At the cap the grammar allows only the array's close, and the model goes on from there.
+
+    A satisfiable schema stays satisfiable: the cap is never below the largest item count the schema asks for
+    anywhere — ``minItems``, ``minContains``, a count of positional items (``prefixItems``, a draft-04 ``items``
+    list) — since such a floor may reach an array from elsewhere (an ``allOf`` sibling, a ``$ref``, a
+    ``dependentSchemas`` entry) and a lenient tool's grammar does not enforce all of them (so the engine's compile
+    check would not see the conflict). Arrays under ``not``, ``if`` or ``oneOf`` are left alone
+    (:func:`narrowable_nodes`). Returned as is when nothing applies.
 
     Raises:
         ValueError: ``max_items`` below 1.
@@ -401,15 +406,20 @@ def bound_arrays(schema: Any, max_items: int) -> Any:
 
     if not any(applies(node) for node in narrowable_nodes(schema)):
         return schema
+    floor = 0
+    for _, node in walk(schema):
+        for key in ("minItems", "minContains"):
+            n = node.get(key)
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n == n and n != float("inf"):
+                floor = max(floor, math.ceil(n))
+        for key in ("prefixItems", "items"):
+            if isinstance(node.get(key), list):
+                floor = max(floor, len(node[key]))
+    cap = max(max_items, floor)
     schema = copy.deepcopy(schema)
     for node in narrowable_nodes(schema):
         if applies(node):
-            floor = node.get("minItems")
-            floor = int(floor) if isinstance(floor, (int, float)) and not isinstance(floor, bool) else 0
-            positional = node.get("prefixItems", node.get("items"))
-            if isinstance(positional, list):
-                floor = max(floor, len(positional))
-            node["maxItems"] = max(max_items, floor)
+            node["maxItems"] = cap
     return schema
 
 

@@ -316,10 +316,14 @@ def test_bound_arrays_caps_only_arrays_the_schema_leaves_unbounded():
         "fixed": {"type": "array", "enum": [[1, 2]]},
         "negated": {"not": {"type": "array"}}}}
     out = bound_arrays(schema, 4)["properties"]
-    assert out["free"]["maxItems"] == 4 and out["long"]["maxItems"] == 50 and out["tuple"]["maxItems"] == 6
+    # the cap is never below an item count the schema asks for anywhere (minItems 50 here)
+    assert out["free"]["maxItems"] == out["long"]["maxItems"] == out["tuple"]["maxItems"] == 50
     assert out["capped"]["maxItems"] == 100 and "maxItems" not in out["fixed"] and out["negated"] == {"not": {"type": "array"}}
-    assert out["nullable"]["maxItems"] == 4 and out["nullable"]["items"]["maxItems"] == 4  # nested lists too
+    assert out["nullable"]["maxItems"] == 50 and out["nullable"]["items"]["maxItems"] == 50  # nested lists too
     assert "maxItems" not in schema["properties"]["free"]  # a copy: the registered schema is untouched
+    short = {"type": "object", "properties": {"free": {"type": "array"}, "pair": {"type": "array", "prefixItems": [{}, {}]}}}
+    assert [v["maxItems"] for v in bound_arrays(short, 4)["properties"].values()] == [4, 4]
+    assert [v["maxItems"] for v in bound_arrays(short, 1)["properties"].values()] == [2, 2]
     plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
     assert bound_arrays(plain, 4) is plain
     with pytest.raises(ValueError, match="max_items"):
@@ -330,9 +334,41 @@ def test_the_item_cap_closes_a_list_and_never_makes_a_schema_unsatisfiable(llt, 
     schema = {"type": "object", "properties": {"board": {"type": "array", "items": {"type": "integer"}},
                                                "moves": {"type": "array", "minItems": 5, "items": {"type": "string"}}},
               "required": ["board"]}
-    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_items=3)
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", {**schema, "properties": {"board": schema["properties"]["board"]}})),
+                           "required", max_items=3)
     assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0]}))
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0, 0]}))
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_items=3)  # minItems 5: cap 5
     assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [], "moves": list("abcde")}))
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0] * 5}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0] * 6}))
     free = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
     assert accepts(llt, smol_tokenizer, free, call("f", {"board": [0] * 40}))  # no cap unless asked for
+
+
+@pytest.mark.parametrize("schema, value", [
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}, "minContains": 4}},
+      "required": ["a"]}, {"a": [1, 1, 1, 1]}),
+    ({"type": "object", "properties": {"a": {"type": "array"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"b": {"properties": {"a": {"minItems": 4}}}}, "required": ["a", "b"]}, {"a": [1, 2, 3, 4], "b": 1}),
+    ({"type": "object", "properties": {"a": {"type": "array", "allOf": [{"minItems": 4}]}, "b": {"type": "array"}},
+      "required": ["a"]}, {"a": [1, 2, 3, 4], "b": [1, 2, 3]}),
+], ids=["minContains", "dependentSchemas", "allOf-sibling"])
+def test_the_item_cap_keeps_item_counts_asked_for_elsewhere_writable(llt, smol_tokenizer, schema, value):
+    """A floor the lenient grammar does not enforce (minContains, a dependentSchemas entry) or that sits beside the
+    array (an allOf branch) is still below the cap: the valid value decodes (found by a helper breaking the cap)."""
+    tool = Tool.from_schema("f", schema, strict=False)
+    tool.validate(value)
+    grammar = turn_grammar(tools_of(tool), "required", max_items=2)
+    assert accepts(llt, smol_tokenizer, grammar, call("f", value))
+
+
+def test_counts_written_as_integral_numbers_compile_and_bound(llt, smol_tokenizer):
+    """``"minItems": 3.0`` is an integer to JSON Schema; llguidance's %json refused it ("Expected positive integer"),
+    so a tool that registered failed at its first turn (found by a helper)."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 3.0, "maxItems": 4.0},
+                                               "s": {"type": "string", "maxLength": 2.0}}, "required": ["a"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2, 3], "s": "ab"}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2]}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2, 3], "s": "abc"}))
