@@ -1,8 +1,9 @@
 """BFCL's function-doc dialect -> JSON Schema (the scorer is in ``bench/bfcl.py``).
 
 Dialect (see ``../shared/data/bfcl/NONSTANDARD_TYPES.md``): ``dict`` -> object, ``float``/``double`` -> number,
-``tuple`` -> array, ``any`` or ``""`` -> no type constraint, Java/JS names (``String``, ``Boolean``, ``long``,
-``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a non-standard ``optional`` key dropped, string
+``tuple`` -> array, ``any`` or ``""`` -> string (as BFCL's FC harness declares it, ``GORILLA_TO_OPENAPI``, and as its
+checker reads a Python ``any``, ``PYTHON_TYPE_MAPPING["any"] = str``: no other JSON type can be right), Java/JS
+names (``String``, ``Boolean``, ``long``, ``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a non-standard ``optional`` key dropped, string
 booleans in ``default`` turned into booleans, an ``enum`` of scalars on an array moved to its ``items``.
 Java/JavaScript docs are first rewritten as BFCL's FC harness rewrites them (:func:`language_specific_pre_processing`):
 every parameter a string of source code.
@@ -28,14 +29,12 @@ _TYPE_MAP = {
 _ANY = {"any", ""}
 
 
-def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = True) -> Any:
-    """Return a JSON Schema for a BFCL ``parameters`` node (input unchanged).
-
-    Args:
-        code_strings: Java/JavaScript categories, where BFCL's values are often source-code expressions
-            (``"mapController"``, ``"new Path('/x')"``): an ``any`` (or empty) type becomes ``{"type": "string"}``
-            instead of no constraint; declared types (``Boolean``, ``String``, ``long``, ``HashMap``…) map as usual.
-    """
+def normalize_schema(node: Any, *, _root: bool = True) -> Any:
+    """Return a JSON Schema for a BFCL ``parameters`` node (input unchanged). A value of type ``any`` (or ``""``) is
+    a string, in every language: BFCL's FC harness declares it ``"string"`` (``bfcl_eval``'s ``GORILLA_TO_OPENAPI``)
+    and its checker takes a Python ``any`` only as a ``str`` (``PYTHON_TYPE_MAPPING``), a Java/JavaScript one as
+    source code; every ground truth in ``../shared`` holds a string there. (Before 2026-12-06 a Python ``any`` had
+    no type constraint, and the default model wrote objects there that the checker could never take.)"""
     if not isinstance(node, dict):
         return node
     node = copy.deepcopy(node)
@@ -45,16 +44,16 @@ def normalize_schema(node: Any, *, code_strings: bool = False, _root: bool = Tru
     if isinstance(t, str):
         key = t.strip().lower()
         if key in _ANY:
-            t = "string" if code_strings and not _root else None
+            t = None if _root else "string"
         elif key in _TYPE_MAP:
             t = _TYPE_MAP[key]
     if t is not None:
         out["type"] = t
     for k, v in node.items():
         if k == "properties" and isinstance(v, dict):
-            out[k] = {name: normalize_schema(sub, code_strings=code_strings, _root=False) for name, sub in v.items()}
+            out[k] = {name: normalize_schema(sub, _root=False) for name, sub in v.items()}
         elif k == "items" and isinstance(v, dict):
-            out[k] = normalize_schema(v, code_strings=code_strings, _root=False)
+            out[k] = normalize_schema(v, _root=False)
         elif k == "required" and isinstance(v, list):
             out[k] = [r for r in v if isinstance(r, str)]
         elif k == "default":
@@ -190,8 +189,7 @@ def tool_from_bfcl(fn: dict, *, code_strings: bool = False, language: str | None
     language = language or ("java" if code_strings else None)
     syntax = literal_syntax(fn, language) if literals and language in _LANGUAGE_HINT else {}
     fn = language_specific_pre_processing(fn, language or "python")
-    params = normalize_schema(fn.get("parameters") or {"type": "object", "properties": {}},
-                              code_strings=language in _LANGUAGE_HINT)
+    params = normalize_schema(fn.get("parameters") or {"type": "object", "properties": {}})
     params.setdefault("type", "object")
     if language in _LANGUAGE_HINT:
         params["type"] = "object"

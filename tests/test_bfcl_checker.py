@@ -358,3 +358,30 @@ def test_run_bfcl_times_valid_calls_cold_and_warm_and_counts_masked_ends_of_cut_
     s = run_bfcl(FakeAgent, "simple_python", data_dir=tmp_path, out=lambda s: None)
     assert (s["truncated"], s["cut_masked_end"], s["warm_questions"]) == (1, 1, 1)
     assert (s["time_to_valid_call_cold_p50"], s["time_to_valid_call_warm_p50"]) == (1.0, 0.25)
+
+
+def test_a_python_any_parameter_is_a_string_as_the_official_checker_reads_it(rows):
+    """BFCL's checker takes a Python ``any`` only as a ``str`` (``PYTHON_TYPE_MAPPING["any"] = str``) and its FC
+    harness declares it ``"string"``: the grammar writes a string there (before, free JSON: the default model wrote
+    ``{"data": [1, 2, 3, …]}`` for ``simple_python_109`` until the budget, which no checker takes)."""
+    found = 0
+    for cat, qs in rows.items():
+        if language_of(cat) != "python":
+            continue
+        for row in qs:
+            for fn in row["function"]:
+                for k, v in fn["parameters"].get("properties", {}).items():
+                    if v.get("type") != "any":
+                        continue
+                    found += 1
+                    tool = bfcl_turn(row, cat).registry().get(fn["name"])
+                    assert tool.parameters["properties"][k]["type"] == "string"
+                    truth = next((t[fn["name"]] for t in row["ground_truth"] if fn["name"] in t), None)
+                    if truth is None:
+                        continue
+                    calls = written_calls(row, cat)
+                    assert official_verdict(row["function"], calls, row["ground_truth"], cat)[0]
+                    typed = [{**c, "arguments": {**c["arguments"], k: {"data": [1, 2]}}} if c["name"] == fn["name"]
+                             else c for c in calls]
+                    assert not official_verdict(row["function"], typed, row["ground_truth"], cat)[0]
+    assert found >= 3
