@@ -11,6 +11,9 @@ exactly on the output of ``python -m agent bfcl`` (one ``ID<TAB>VALID<TAB>CORREC
   messages (``agent.grounding.drop_unwritten_optional``); booleans and null count as written;
 * ``grounded, strings only`` / ``grounded, numbers only``: the same, judging only string / only number values;
 * ``grounded, not enums``: as ``grounded``, but a value from the parameter's ``enum`` is kept;
+* ``grounded, enumerated``: as ``grounded``, but a value the parameter's schema enumerates is kept: one of its
+  ``enum``, or an array every item of which is one of its ``items``' ``enum`` (``add_ons: ["Backstage Pass"]``):
+  the model chose it from the schema's options, it did not invent it (tried 2026-12-06);
 * ``grounded or default``: as ``grounded``, but a value equal to the parameter's ``default`` is kept;
 * ``grounded, enum items``: as ``grounded``, and in every argument (required too) an array of ``enum`` strings
   keeps only its items written in the conversation, where at least one is (and ``minItems`` still holds):
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RULES = ("as decoded", "grounded", "grounded, strings only", "grounded, numbers only", "grounded, not enums",
-         "grounded or default", "grounded, enum items", "grounded, nested", "no optional")
+         "grounded, enumerated", "grounded or default", "grounded, enum items", "grounded, nested", "no optional")
 
 
 def _category(question_id: str) -> str:
@@ -65,7 +68,11 @@ def keep(rule: str, value, spec: dict, grounding) -> bool:
         return True
     if rule == "no optional":
         return False
-    if rule == "grounded, not enums" and value in (spec.get("enum") or []):
+    if rule in ("grounded, not enums", "grounded, enumerated") and value in (spec.get("enum") or []):
+        return True
+    items = spec.get("items")
+    if (rule == "grounded, enumerated" and isinstance(value, list) and value and isinstance(items, dict)
+            and all(v in (items.get("enum") or []) for v in value)):
         return True
     if rule == "grounded or default" and "default" in spec and spec["default"] == value:
         return True
