@@ -187,30 +187,19 @@ def _drafter_label(generator, name: str) -> str:
     return name if resolved == name else f"{name} ({resolved})"
 
 
-def _items(text: str) -> int | str:
-    """``--max-items``: a count of items >= 1, or ``none``."""
-    if text.lower() == "none":
-        return "none"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count of items or 'none', got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a count of items >= 1 or 'none', got {n}")
-    return n
-
-
-def _decimals(text: str) -> int | str:
-    """``--max-decimals``: a count of decimals >= 0, or ``none``."""
-    if text.lower() == "none":
-        return "none"
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a count of decimals or 'none', got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a count of decimals >= 0 or 'none', got {n}")
-    return n
+def _count_or_none(what: str, minimum: int):
+    """An argparse type: a count of ``what`` >= ``minimum``, or ``none`` (``--max-decimals``, ``--max-items``)."""
+    def parse(text: str) -> int | str:
+        if text.lower() == "none":
+            return "none"
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a count of {what} or 'none', got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected a count of {what} >= {minimum} or 'none', got {n}")
+        return n
+    return parse
 
 
 def cmd_bfcl(args) -> int:
@@ -315,10 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
     p.add_argument("--max-string-length", type=int, default=None,  # None: bench.bfcl.MAX_STRING_LENGTH
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")
-    p.add_argument("--max-decimals", type=_decimals, default="none",
+    p.add_argument("--max-decimals", type=_count_or_none("decimals", 0), default="none",
                    help="grammar bound on numbers: N decimals, no exponent, |x| <= 1e15; 'none' (default, as the "
                         "Agent's): unbounded (llguidance admits an exponent only in an unbounded number)")
-    p.add_argument("--max-items", type=_items, default=None,  # None: bench.bfcl.MAX_ITEMS
+    p.add_argument("--max-items", type=_count_or_none("items", 1), default=None,  # None: bench.bfcl.MAX_ITEMS
                    help="grammar cap on the items of arrays that set no maxItems (default 32); 'none': no cap")
     p.add_argument("--runtime", default="ours",
                    help="ours (grammar-constrained) | parse-only (free generation, then vLLM's hermes parser or the "

@@ -145,6 +145,16 @@ def test_cli_user_errors_are_one_line(capsys):
                                                        "examples.my_tools:TOOLS", "hi"])
 
 
+@pytest.mark.parametrize("flag, value, text", [("--max-items", "0", "count of items >= 1"),
+                                               ("--max-items", "many", "count of items or 'none'"),
+                                               ("--max-decimals", "-1", "count of decimals >= 0")])
+def test_cli_bad_grammar_bounds_fail_before_the_model_loads(capsys, flag, value, text):
+    with pytest.raises(SystemExit) as e:
+        main(["bfcl", "--model", "no-such-model", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and text in err and "no-such-model" not in err
+
+
 # -- integer bounds past 2^53: the grammar compares bounds as 64-bit floats ------------------------------------------
 BIG = 2 ** 53 + 1  # 9007199254740993: no float64 holds it (it rounds to 2^53 = 9007199254740992)
 
