@@ -3,8 +3,8 @@
 Dialect (see ``../shared/data/bfcl/NONSTANDARD_TYPES.md``): ``dict`` -> object, ``float``/``double`` -> number,
 ``tuple`` -> array, ``any`` or ``""`` -> string (as BFCL's FC harness declares it, ``GORILLA_TO_OPENAPI``, and as its
 checker reads a Python ``any``, ``PYTHON_TYPE_MAPPING["any"] = str``: no other JSON type can be right), Java/JS
-names (``String``, ``Boolean``, ``long``, ``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a non-standard ``optional`` key dropped, string
-booleans in ``default`` turned into booleans, an ``enum`` of scalars on an array moved to its ``items``.
+names (``String``, ``Boolean``, ``long``, ``HashMap``, ``ArrayList``, ``Array``…) mapped to their JSON types, a
+non-standard ``optional`` key dropped, string booleans in ``default`` turned into booleans, an ``enum`` of scalars on an array moved to its ``items``.
 Java/JavaScript docs are first rewritten as BFCL's FC harness rewrites them (:func:`language_specific_pre_processing`):
 every parameter a string of source code.
 """

@@ -318,10 +318,12 @@ def test_bound_arrays_caps_only_arrays_the_schema_leaves_unbounded():
     out = bound_arrays(schema, 4)["properties"]
     # the cap is never below an item count the schema asks for anywhere (minItems 50 here)
     assert out["free"]["maxItems"] == out["long"]["maxItems"] == out["tuple"]["maxItems"] == 50
-    assert out["capped"]["maxItems"] == 100 and "maxItems" not in out["fixed"] and out["negated"] == {"not": {"type": "array"}}
+    assert out["capped"]["maxItems"] == 100 and "maxItems" not in out["fixed"]
+    assert out["negated"] == {"not": {"type": "array"}}
     assert out["nullable"]["maxItems"] == 50 and out["nullable"]["items"]["maxItems"] == 50  # nested lists too
     assert "maxItems" not in schema["properties"]["free"]  # a copy: the registered schema is untouched
-    short = {"type": "object", "properties": {"free": {"type": "array"}, "pair": {"type": "array", "prefixItems": [{}, {}]}}}
+    short = {"type": "object",
+             "properties": {"free": {"type": "array"}, "pair": {"type": "array", "prefixItems": [{}, {}]}}}
     assert [v["maxItems"] for v in bound_arrays(short, 4)["properties"].values()] == [4, 4]
     assert [v["maxItems"] for v in bound_arrays(short, 1)["properties"].values()] == [2, 2]
     plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
@@ -334,8 +336,8 @@ def test_the_item_cap_closes_a_list_and_never_makes_a_schema_unsatisfiable(llt, 
     schema = {"type": "object", "properties": {"board": {"type": "array", "items": {"type": "integer"}},
                                                "moves": {"type": "array", "minItems": 5, "items": {"type": "string"}}},
               "required": ["board"]}
-    grammar = turn_grammar(tools_of(Tool.from_schema("f", {**schema, "properties": {"board": schema["properties"]["board"]}})),
-                           "required", max_items=3)
+    board_only = {**schema, "properties": {"board": schema["properties"]["board"]}}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", board_only)), "required", max_items=3)
     assert accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0]}))
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"board": [0, 0, 0, 0]}))
     grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_items=3)  # minItems 5: cap 5
@@ -350,7 +352,8 @@ def test_the_item_cap_closes_a_list_and_never_makes_a_schema_unsatisfiable(llt, 
     ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}, "minContains": 4}},
       "required": ["a"]}, {"a": [1, 1, 1, 1]}),
     ({"type": "object", "properties": {"a": {"type": "array"}, "b": {"type": "integer"}},
-      "dependentSchemas": {"b": {"properties": {"a": {"minItems": 4}}}}, "required": ["a", "b"]}, {"a": [1, 2, 3, 4], "b": 1}),
+      "dependentSchemas": {"b": {"properties": {"a": {"minItems": 4}}}}, "required": ["a", "b"]},
+     {"a": [1, 2, 3, 4], "b": 1}),
     ({"type": "object", "properties": {"a": {"type": "array", "allOf": [{"minItems": 4}]}, "b": {"type": "array"}},
       "required": ["a"]}, {"a": [1, 2, 3, 4], "b": [1, 2, 3]}),
 ], ids=["minContains", "dependentSchemas", "allOf-sibling"])
