@@ -215,7 +215,10 @@ def cmd_bfcl(args) -> int:
         args.max_string_length = MAX_STRING_LENGTH
     if args.max_decimals == "none":  # numbers unbounded (the default, as the Agent's): exponents can be written
         args.max_decimals = None
-    args.max_items = MAX_ITEMS if args.max_items is None else None if args.max_items == "none" else args.max_items
+    if args.max_items is None:
+        args.max_items = MAX_ITEMS
+    elif args.max_items == "none":  # lists uncapped
+        args.max_items = None
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?

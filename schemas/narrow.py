@@ -429,7 +429,8 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
     """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
     (:func:`stated_formats`), integers kept to JSON's exact range (:func:`bound_integers`), then bounded scalars
-    and arrays (when asked: :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing narrows the whole (:func:`narrowable_nodes`).
+    and arrays (when asked: :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing
+    narrows the whole (:func:`narrowable_nodes`).
 
     Args:
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
