@@ -47,17 +47,14 @@ from constraints import ConstraintState
 from schemas.errors import SpecAgentError
 
 from .drafters import Drafter
-from .llamacpp import LlamaCppModel, SequenceBatchContext, common_prefix
+from .llamacpp import (PREFILL_BATCH, SMALL_UBATCH, LlamaCppModel, SequenceBatchContext,  # noqa: F401 (re-exported)
+                       common_prefix, prefill_classes)
 from .sampling import SamplingParams
 from .speculative import SpeculativeSequence, verify_end_rows, verify_inputs, verify_logits
 from .stats import DecodeResult
 
 DEFAULT_SEQ_CTX = 2048  # KV positions per sequence (prompt + new tokens of one request)
 DEFAULT_MAX_ROWS = 128  # tokens per step's llama_decode, all sequences together (verify rows + prefill chunks)
-PREFILL_BATCH = 512  # tokens per prefill llama_decode, as a one-sequence context feeds them (DEFAULT_N_BATCH)
-SMALL_UBATCH = 64  # measured: a row's result is one of two bit patterns: < 64 tokens of its sequence in the
-#                    micro-batch, or >= 64 (llama.cpp's CPU attention takes another path); within each class it is
-#                    the same for any batch (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M; one thread, no repacking)
 
 
 NO_HIDDEN_STATES = "the llama.cpp backend does not expose hidden states under continuous batching"
@@ -137,33 +134,6 @@ class SlotTarget:
 
     def synchronize(self) -> None:
         """Nothing to wait for: ``llama_decode`` returns when its logits are ready."""
-
-
-def prefill_classes(prompt: list[int], cached: list[int], cached_big: int) -> tuple[int, int]:
-    """How to prefill ``prompt[:-1]`` into a slot holding ``cached`` (of which ``cached[:cached_big]`` were computed
-    in big decodes) so that every token's keys/values are those of a one-sequence prefill from an empty cache
-    (``decoding.decoder.prefill``: ``prompt[:-1]`` in decodes of :data:`PREFILL_BATCH` tokens; a token is in the
-    big class when its decode had >= :data:`SMALL_UBATCH` tokens).
-
-    Returns:
-        ``(big, keep)``: ``prompt[:big]`` must be big-class (fed alone, in decodes of >= SMALL_UBATCH tokens), the
-        rest small-class (any chunks of < SMALL_UBATCH tokens); the slot keeps ``cached[:keep]`` (the longest common
-        prefix whose classes agree, cut back so that a big part still to feed has >= SMALL_UBATCH tokens).
-    """
-    n = len(prompt) - 1
-    tail = n % PREFILL_BATCH
-    if n < SMALL_UBATCH:
-        big = 0
-    elif n > PREFILL_BATCH and tail < SMALL_UBATCH:
-        big = n - tail  # the empty-cache prefill's last decode is small
-    else:
-        big = n
-    keep = common_prefix(cached, prompt[:-1])
-    if big != cached_big:
-        keep = min(keep, big, cached_big)  # past there the cached token's class differs
-    if 0 < big - keep < SMALL_UBATCH:
-        keep = big - SMALL_UBATCH
-    return big, keep
 
 
 @dataclass

@@ -33,6 +33,15 @@ the 0.5B's identity configuration is just ``threads=1``.
 ``tests/test_llamacpp.py`` checks both the bit-identity and the token identity; the benchmark reports
 ``identical_to_constrained`` per backend.
 
+Within that configuration a row's result is one of two bit patterns, not one: llama.cpp's CPU flash attention (on
+by default) takes its tiled path when a decode holds >= 64 query rows of a sequence (:data:`SMALL_UBATCH`) and its
+one-chunk path below. A one-sequence prefill from an empty cache puts a prompt's tokens in the big class (decodes of
+512) except a tail of < 64 past 512; verify rows and one-token steps are small. The prefix cache therefore keeps a
+cached prefix only where its tokens were computed in the class a fresh prefill gives them, and feeds the rest in
+those classes (:func:`prefill_classes`, :meth:`LlamaCppLM.reuse_prefix`), as the batching scheduler does; a prefix
+kept across classes changed a greedy answer of SmolLM2 (logits off by 0.2–1.8). Turning flash attention off makes a
+prefill split-invariant but breaks the verify rows' invariance, so it stays on.
+
 Cost model: what a verify of n rows costs depends on the CPU, the weight type and the threads (``python -m
 bench.rowcost`` prints it): on an AMD EPYC (AVX2) Qwen2.5-Coder-0.5B Q4_K_M took 47 ms for 1 row and 344 ms for 8
 (about 7 forwards), 25.8 ms and 5.1 forwards at two threads; on the Intel Xeon (AVX-512) development machine 8 rows
@@ -263,6 +272,12 @@ class LlamaCppModel:
             self._eog = end_of_generation_ids(self.tokenizer, declared)
         return self._eog
 
+    @property
+    def batch_invariant(self) -> bool:
+        """The identity configuration: one thread, no repacking (a row's logits do not depend on the rows decoded
+        beside it, within each :data:`SMALL_UBATCH` class; see the module docstring)."""
+        return self.n_threads == 1 and not self.repack
+
     def row_cost(self) -> RowCost:
         """What a verify of n rows costs on this machine, in one-row forwards (:class:`decoding.window.RowCost`,
         read by the speculative step's window rule): measured once by :func:`calibrate_row_cost` and cached on disk
@@ -432,6 +447,40 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+PREFILL_BATCH = DEFAULT_N_BATCH  # tokens per prefill llama_decode from an empty cache
+SMALL_UBATCH = 64  # measured: a row's result is one of two bit patterns: < 64 tokens of its sequence in the
+#                    micro-batch, or >= 64 (llama.cpp's CPU flash attention takes its tiled path from 64 query rows
+#                    on); within each class it is the same for any batch (SmolLM2 Q4_1, Qwen2.5-Coder Q4_K_M and
+#                    Q8_0; one thread, no repacking)
+
+
+def prefill_classes(prompt: list[int], cached: list[int], cached_big: int) -> tuple[int, int]:
+    """How to prefill ``prompt[:-1]`` into a slot holding ``cached`` (of which ``cached[:cached_big]`` were computed
+    in big decodes) so that every token's keys/values are those of a one-sequence prefill from an empty cache
+    (``decoding.decoder.prefill``: ``prompt[:-1]`` in decodes of :data:`PREFILL_BATCH` tokens; a token is in the
+    big class when its decode had >= :data:`SMALL_UBATCH` tokens).
+
+    Returns:
+        ``(big, keep)``: ``prompt[:big]`` must be big-class (fed alone, in decodes of >= SMALL_UBATCH tokens), the
+        rest small-class (any chunks of < SMALL_UBATCH tokens); the slot keeps ``cached[:keep]`` (the longest common
+        prefix whose classes agree, cut back so that a big part still to feed has >= SMALL_UBATCH tokens).
+    """
+    n = len(prompt) - 1
+    tail = n % PREFILL_BATCH
+    if n < SMALL_UBATCH:
+        big = 0
+    elif n > PREFILL_BATCH and tail < SMALL_UBATCH:
+        big = n - tail  # the empty-cache prefill's last decode is small
+    else:
+        big = n
+    keep = common_prefix(cached, prompt[:-1])
+    if big != cached_big:
+        keep = min(keep, big, cached_big)  # past there the cached token's class differs
+    if 0 < big - keep < SMALL_UBATCH:
+        keep = big - SMALL_UBATCH
+    return big, keep
+
+
 PREFIX_SLOTS = 2  # cached sequences per thread's context (llama.cpp server's slots, for the prefix cache)
 SLOT_SIMILARITY = 0.5  # llama.cpp server's --slot-prompt-similarity: below it, a prompt takes the least recent slot
 
@@ -458,6 +507,8 @@ class _Context:
         self.vocab_size = model.vocab_size
         self.n_embd = int(llama_cpp.llama_model_n_embd(model._model))
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV cache holds, in order
+        # per slot: its first ``big`` tokens were computed in decodes of >= SMALL_UBATCH tokens (prefill_classes)
+        self.big = [0] * slots
         # per slot: the last-layer hidden states of its first positions, as float32 [n_i, d] chunks (decoded with
         # hidden=True; contiguous from position 0), so a reused prefix gives its states without a new prefill
         self.states: list[list[np.ndarray]] = [[] for _ in range(slots)]
@@ -492,6 +543,7 @@ class _Context:
         self.lib.llama_memory_clear(self.mem, True)
         for cached in self.slots:
             del cached[:]
+        self.big = [0] * len(self.slots)
         for states in self.states:
             del states[:]
 
@@ -507,22 +559,26 @@ class _Context:
         chunks = _first_rows(self.states[self.seq], n)
         return np.concatenate(chunks) if chunks else np.zeros((0, self.n_embd), dtype=np.float32)
 
-    def decode(self, tokens: list[int], rows: list[int], hidden: bool = False
+    def decode(self, tokens: list[int], rows: list[int], hidden: bool = False, chunks: list[int] | None = None
                ) -> tuple[np.ndarray, np.ndarray | None]:
         """Append ``tokens`` at positions ``length …``; returns ``(float32 [len(rows), V], hidden)``: the logits of
         the tokens at the increasing indices ``rows`` (llama.cpp computes the LM head for those only), and with
         ``hidden=True`` the last-layer hidden states of every token, ``float32 [len(tokens), d]`` (llama.cpp's
         per-token embeddings, ``llama_set_embeddings`` with no pooling: the state after the final norm, the one the
         LM head reads; llama.cpp then computes the LM head for every row, so only the rows asked for are read), else
-        None. The states are kept with the slot (:meth:`cached_states`)."""
+        None. The states are kept with the slot (:meth:`cached_states`). ``chunks``: the token count of each
+        ``llama_decode`` (summing to ``len(tokens)``, each <= ``n_batch``); default: ``n_batch`` at a time."""
         if hidden != self.embeddings:
             self.lib.llama_set_embeddings(self.ctx, hidden)
             self.embeddings = hidden
         out, states = [], []
         want = set(rows)
         b = self.batch
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
+        if chunks is None:
+            chunks = [min(self.n_batch, len(tokens) - a) for a in range(0, len(tokens), self.n_batch)]
+        starts = np.cumsum([0] + chunks[:-1]).tolist()
+        for start, size in zip(starts, chunks):
+            chunk = tokens[start:start + size]
             b.n_tokens = len(chunk)
             picked = []
             for i, tok in enumerate(chunk):
@@ -541,6 +597,8 @@ class _Context:
                 raise RuntimeError(f"llama_decode failed with code {rc} at position {at} "
                                    f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
             contiguous = self.known_states() == self.length
+            if len(chunk) >= SMALL_UBATCH and self.big[self.seq] == self.length:
+                self.big[self.seq] += len(chunk)
             self.tokens.extend(chunk)
             n_out = len(chunk) if hidden else len(picked)
             if picked:
@@ -562,6 +620,7 @@ class _Context:
             if not self.lib.llama_memory_seq_rm(self.mem, self.seq, length, -1):
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
             del self.tokens[length:]
+            self.big[self.seq] = min(self.big[self.seq], length)
             self._crop_states(length)
 
     def _crop_states(self, length: int) -> None:
@@ -753,6 +812,7 @@ class LlamaCppLM:
         self.ctx = ctx
         self.device = model.device
         self.vocab_size = model.vocab_size
+        self._prefill_big: int | None = None  # set by reuse_prefix for the prefill that follows it
 
     def reset(self) -> None:
         self.ctx.clear()
@@ -768,13 +828,26 @@ class LlamaCppLM:
         Returns:
             the number of prompt tokens whose keys/values were reused (0 .. ``len(prompt) - 1``).
 
-        Keys/values are what a fresh prefill computes only where a row's result does not depend on the batch it
-        was computed in: measured bit-identical with one thread and no repacking (the backend's default); with
-        more threads a reused prefix can differ from a fresh prefill in the last bits, like the verify rows.
+        In the identity configuration (:attr:`LlamaCppModel.batch_invariant`) a row's keys/values are one of two bit
+        patterns: computed in a decode of < 64 tokens of its sequence, or of >= 64 (:data:`SMALL_UBATCH`: llama.cpp's
+        CPU flash attention takes its tiled path from 64 query rows on). So there the prefix is kept only where its
+        tokens were computed in the class an empty-cache prefill of ``prompt`` gives them, and the prefill that
+        follows (the next :meth:`forward`) feeds the rest in those classes (:func:`prefill_classes`, as the batching
+        scheduler does): the keys/values, and so every token decoded after, are bit-identical to a fresh prefill's
+        (before, a prefix kept from a slot that held a longer prompt changed a greedy answer). Elsewhere the longest
+        cached prefix is kept as is: with more threads a reused prefix can differ from a fresh prefill in the last
+        bits, like the verify rows.
         """
         n = min(self.ctx.select(prompt), len(prompt) - 1)
+        self._prefill_big = None
+        if self.loaded.batch_invariant:
+            big, keep = prefill_classes(prompt, self.ctx.tokens, self.ctx.big[self.ctx.seq])
+            n = min(n, keep)
+            self._prefill_big = big
         if hidden:
             n = min(n, self.ctx.known_states())
+        if self._prefill_big is not None and 0 < self._prefill_big - n < SMALL_UBATCH:
+            n = self._prefill_big - SMALL_UBATCH  # a big part still to feed needs >= SMALL_UBATCH tokens
         self.ctx.crop(n, always=True)  # even at n == len(cached): nothing unrecorded may stay past n
         return n
 
@@ -812,8 +885,23 @@ class LlamaCppLM:
         if logit_rows is None:
             n = len(tokens) if num_logits is None else num_logits
             logit_rows = list(range(len(tokens) - n, len(tokens)))
-        logits, h = self.ctx.decode(tokens, logit_rows, hidden=hidden)
+        chunks, self._prefill_big = self._chunks(len(tokens), self._prefill_big), None
+        logits, h = self.ctx.decode(tokens, logit_rows, hidden=hidden, chunks=chunks)
         return torch.from_numpy(logits), None if h is None else torch.from_numpy(h)
+
+    def _chunks(self, k: int, big: int | None) -> list[int] | None:
+        """The ``llama_decode`` sizes that feed ``k`` tokens after the cached ones so that positions below ``big``
+        are computed in decodes of >= SMALL_UBATCH tokens (equal pieces of at most ``n_batch``) and the rest in
+        decodes of fewer (:meth:`reuse_prefix`); None (``big`` None): ``n_batch`` at a time."""
+        if big is None:
+            return None
+        at = self.ctx.length
+        first = min(max(big - at, 0), k)
+        pieces = -(-first // self.ctx.n_batch)
+        chunks = [first * (i + 1) // pieces - first * i // pieces for i in range(pieces)]
+        rest = k - first
+        chunks += [min(SMALL_UBATCH - 1, rest - a) for a in range(0, rest, SMALL_UBATCH - 1)]
+        return chunks
 
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens (``llama_memory_seq_rm``)."""

@@ -313,6 +313,49 @@ def test_bench_runs_the_llamacpp_modes_side_by_side(tmp_path):
             "llamacpp_engine_best / llamacpp_lookup_constrained"} <= set(meta["ratios"])
 
 
+def _prefill_then_next_logits(lm, prompt: list[int]) -> tuple[int, torch.Tensor]:
+    """What ``decoding.decoder.prefill`` and the first forward do: (prompt tokens reused, float32 [V] logits)."""
+    n = lm.reuse_prefix(prompt)
+    if len(prompt) - 1 > n:
+        lm.forward(prompt[n:-1], num_logits=1)
+    return n, lm.forward(prompt[-1:])[0][0]
+
+
+@pytest.mark.parametrize("length", [40, 100, 560])  # 560: 512 tokens big-class, a tail of 47 small (prefill_classes)
+def test_a_reused_prefix_gives_the_logits_of_an_empty_cache_prefill(cpp, monkeypatch, length):
+    """In the identity configuration a prompt's next-token logits do not depend on what its prefix-cache slot
+    held: another prompt sharing 7, half or all but 10 of its tokens (shorter or longer than it, prefilled in
+    one decode or several), or this prompt's own beginning followed by decoded tokens (a conversation's next turn).
+    llama.cpp's CPU flash attention computes a row in one of two ways (fewer or more than 63 rows of its sequence
+    in the decode: :data:`decoding.llamacpp.SMALL_UBATCH`); before, a prefix kept from a slot whose tokens were
+    computed the other way changed the logits by up to 1.8 and a greedy answer with them (SmolLM2, one thread)."""
+    from decoding import llamacpp
+
+    assert cpp.batch_invariant
+    monkeypatch.setattr(llamacpp, "SLOT_SIMILARITY", 0.0)  # keep any shared prefix (what a busy server does)
+    prompt = [100 + (37 * i) % 4000 for i in range(length)]
+    lm = cpp.new_lm()
+    lm.reset()
+    assert _prefill_then_next_logits(lm, prompt)[0] == 0
+    lm.reset()
+    fresh = _prefill_then_next_logits(lm, prompt)[1]
+    for shared in (7, length // 2, length - 10):
+        for held in (shared + 20, shared + 70) + ((700,) if shared == 7 else ()):
+            lm.reset()
+            lm.forward(prompt[:shared] + [4100 + i for i in range(held - shared)], num_logits=1)
+            kept, logits = _prefill_then_next_logits(lm, prompt)
+            assert kept <= shared and torch.equal(logits, fresh), (shared, held, kept)
+    lm.reset()
+    head = prompt[:length - 30]
+    _prefill_then_next_logits(lm, head)
+    for t in range(20):  # decoded one token at a time, as one token per forward does
+        lm.forward([5000 + t])
+    kept, logits = _prefill_then_next_logits(lm, head + [5000 + t for t in range(20)] + prompt[length - 10:])
+    lm.reset()
+    again = _prefill_then_next_logits(lm, head + [5000 + t for t in range(20)] + prompt[length - 10:])
+    assert torch.equal(logits, again[1]) and again[0] == 0
+
+
 def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
     """A decode keeps the longest prefix of its prompt still in one of the thread's cached slots, and its tokens
     equal a decode from an empty cache. A prompt sharing under half of a slot (another question's tools) takes the
