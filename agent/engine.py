@@ -315,7 +315,7 @@ class LocalEngine:
                 break
         out.stats = stats
         if out.calls:
-            out.calls = [without_unwritten_optional(c, allowed, grounding) for c in out.calls]
+            out.calls = distinct_calls([without_unwritten_optional(c, allowed, grounding) for c in out.calls])
         return out
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
@@ -463,6 +463,20 @@ class LocalEngine:
 
 
 FENCE = "```"  # opens a Markdown code block
+
+
+def distinct_calls(calls: list[dict]) -> list[dict]:
+    """``calls`` less each call whose name and arguments repeat an earlier one's (keys in any order), first kept:
+    two calls that differed only in optional arguments grounding dropped are one call (a turn never returns the
+    same call twice)."""
+    seen, out = set(), []
+    for call in calls:
+        args = call.get("arguments")
+        key = (call.get("name"), json.dumps(args, sort_keys=True) if isinstance(args, dict) else args)
+        if key not in seen:
+            seen.add(key)
+            out.append(call)
+    return out
 
 
 def answer_json(text: str) -> tuple[bool, Any]:

@@ -157,6 +157,23 @@ def test_auto_answers_in_text_once_no_tool_is_left(smol_dir, monkeypatch):
     assert out.calls is None and out.text == "I cannot tell the time." and asked[1] == (set(), True)
 
 
+def test_calls_that_differ_only_in_dropped_arguments_are_returned_once(smol_dir, monkeypatch):
+    """Two decoded calls that differ only in an optional value nobody wrote become one call, the first; a call
+    whose kept arguments differ stays (arguments compared with keys in any order)."""
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    lima = [{"role": "user", "content": "Weather in Lima and Oslo, celsius?"}]
+    calls = [{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius", "days": 3}},
+             {"name": "get_weather", "arguments": {"days": 5, "unit": "celsius", "city": "Lima"}},
+             {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 2}}]
+    _scripted_decodes(monkeypatch, engine, [_turn(calls)])
+    out = engine.turn(lima, [WEATHER], "required")
+    assert out.calls == [{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}},
+                         {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]
+    _scripted_decodes(monkeypatch, engine, [_turn(calls)])
+    assert engine.turn(lima, [WEATHER], "required", config=EngineConfig(grounding=False)).calls == calls
+
+
 @pytest.mark.parametrize("case", ["named", "off", "grounded", "retry cut"])
 def test_no_retry_where_the_call_is_named_grounding_is_off_or_the_call_is_grounded(smol_dir, monkeypatch, case):
     _, gen = scripted(smol_dir, "hermes", "", None)
