@@ -16,7 +16,7 @@ from typing import Any
 import llguidance
 
 from schemas.check import find_keyword, walk
-from schemas.narrow import calendar_dates, narrowable_nodes
+from schemas.narrow import bound_integers, calendar_dates, narrowable_nodes
 from schemas.errors import SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
@@ -117,8 +117,17 @@ def _inexact(v: Any) -> bool:
         return True
 
 
+def _inexact_exclusive(node: dict, k: str) -> bool:
+    """An exclusive bound of an integer past ±2^53: the integer next to it is no float64, and llguidance (which
+    steps from the bound in floats) let the bound itself through (``exclusiveMinimum: 2^60`` admitted 2^60)."""
+    v = node.get(k)
+    return (k.startswith("exclusive") and node.get("type") == "integer" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and abs(v) >= 2 ** 53)
+
+
 def _inexact_bounds(schema: Any) -> list[tuple[tuple, str]]:
-    return [(path, k) for path, node in walk(schema) for k in _BOUND_KEYWORDS if _inexact(node.get(k))]
+    return [(path, k) for path, node in walk(schema) for k in _BOUND_KEYWORDS
+            if _inexact(node.get(k)) or _inexact_exclusive(node, k)]
 
 
 def check_exact_bounds(schema: Any, tool: str | None = None) -> None:
@@ -127,8 +136,10 @@ def check_exact_bounds(schema: Any, tool: str | None = None) -> None:
     problems = []
     for path, k in _inexact_bounds(schema):
         pointer = json_pointer(path + (k,))
-        problems.append((pointer, k, f"keyword {k!r} at {pointer}: {path_value(schema, path)[k]} is past 2^53 and "
-                                     f"no 64-bit float holds it, so the grammar cannot enforce it exactly"))
+        node = path_value(schema, path)
+        what = "the integer next to it" if _inexact_exclusive(node, k) else "no 64-bit float holds it"
+        problems.append((pointer, k, f"keyword {k!r} at {pointer}: {node[k]} is past 2^53 and {what}, so the "
+                                     f"grammar cannot enforce it exactly"))
     if problems:
         raise SchemaError(f"{problems[0][2]}; use a bound within ±2^53 (9007199254740992), or "
                           f"{_ADVICE.split(', or ')[-1]} (the grammar then keeps the nearest float inside the bound)",
@@ -159,6 +170,13 @@ def exact_bounds(schema: Any) -> Any:
             raise SchemaError(f"keyword {k!r} at {json_pointer(path + (k,))} is past the float range: the grammar "
                               f"cannot bound it", pointer=json_pointer(path + (k,)), keyword=k) from None
         lower = k in ("minimum", "exclusiveMinimum")
+        if _inexact_exclusive(node, k):  # the inclusive bound next to it, rounded inwards below
+            v = (math.floor(v) + 1) if lower else (math.ceil(v) - 1)
+            del node[k]
+            k = "minimum" if lower else "maximum"
+            f = float(v)
+            if isinstance(node.get(k), (int, float)) and ((node[k] > v) if lower else (node[k] < v)):
+                continue  # the inclusive bound beside it is tighter (and handled on its own)
         if (f < v) if lower else (f > v):
             f = math.nextafter(f, math.inf if lower else -math.inf)
         node[k] = int(f)
@@ -169,6 +187,8 @@ _QUOTED_KEYWORD = re.compile(r"'(\$?[A-Za-z]+)'")
 _PROCESSING = re.compile(r"while processing \S*#(\S*)")
 _RESOURCE = re.compile(r"Resource '([^']+)' is not present")
 _CIRCULAR = re.compile(r"circular references with sibling keys are not supported: \S*#(\S*)")
+_RANGE = re.compile(r"Failed to generate regex for (integer|float) range: min=(?:Some\(([^)]*)\)|None), "
+                    r"max=(?:Some\(([^)]*)\)|None)")
 _COMPILE_ERRORS = ("Unsatisfiable", "look-around", "lookaround", "regex parse error", "circular references",
                    "schema too large", "stack level exceeded")
 
@@ -211,6 +231,9 @@ def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = 
         return SchemaError(f"keyword {kw!r} at {p or '/'} cannot be enforced: {why}; rewrite the regex without "
                            f"look-around, or {_ADVICE.split(', or ')[-1]} ({message.splitlines()[0]})",
                            pointer=p, keyword=kw, tool=tool)
+    m = _RANGE.search(message)
+    if m:
+        return _range_error(schema, m, message, tool)
     m = _CIRCULAR.search(message)
     if m:
         p = _unquote(m.group(1))
@@ -233,6 +256,26 @@ def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = 
         return SchemaError(f"cannot compile schema: keyword {kw!r} at {p or '/'}: {message}", pointer=p,
                            keyword=kw, tool=tool)
     return SchemaError(f"cannot compile schema: {message}", pointer=where or "", tool=tool)
+
+
+def _range_error(schema: Any, m: re.Match, message: str, tool: str | None) -> SchemaError:
+    """The bound llguidance could not write a range for (``Failed to generate regex for integer range: min=…``),
+    found by value: its regex writer handles a one-sided bound below 10^18 in size and two-sided bounds within
+    about ±9.2 * 10^18 (integers: a maximum of any size), measured on llguidance 1.x."""
+    kind, lo, hi = m.group(1), m.group(2), m.group(3)
+    hits = []
+    for path, node in walk(schema):
+        for k in _BOUND_KEYWORDS:
+            v = node.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                wanted = lo if k in ("minimum", "exclusiveMinimum") else hi
+                if wanted is not None and float(wanted) == float(v):
+                    hits.append((json_pointer(path + (k,)), k, v))
+    p, k, v = hits[0] if hits else ("", "minimum" if lo is not None else "maximum", lo or hi)
+    what = "integers" if kind == "integer" else "numbers"
+    return SchemaError(f"keyword {k!r} at {p or '/'}: the grammar cannot write {what} bounded by {v} "
+                       f"(llguidance builds no regex for min={lo}, max={hi}); keep the bounds within ±10^18 "
+                       f"({message.splitlines()[0]})", pointer=p, keyword=k, tool=tool)
 
 
 def check_exact_extras(schema: Any, tool: str | None = None) -> None:
@@ -365,7 +408,9 @@ def _compiles(canonical: str, lenient: bool) -> bool:
 
 
 def check_enforceable(schema: Any, tool: str | None = None) -> None:
-    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration)."""
-    compile_json_schema(schema, lenient=False, tool=tool)
+    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration). Integers
+    are checked as every grammar writes them (:func:`schemas.narrow.bound_integers`: a one-sided bound from 10^18 on
+    compiles only once the other bound is set)."""
+    compile_json_schema(bound_integers(schema), lenient=False, tool=tool)
 
 

@@ -350,6 +350,8 @@ def _stated_applies(node: Any) -> bool:
 
 # -- integers in JSON's interoperable range -------------------------------------------------------------------------
 SAFE_INTEGER = 2 ** 53 - 1  # RFC 8259 §6: [-(2**53)+1, 2**53-1] is exact in every JSON implementation
+INTEGER_GRAMMAR_BOUND = 9 * 10 ** 18  # measured: llguidance writes no regex for an integer bounded on one side only
+#                                      from 10^18 on, but does for two-sided bounds within ±9.2 * 10^18
 
 
 def bound_integers(schema: Any) -> Any:
@@ -357,14 +359,17 @@ def bound_integers(schema: Any) -> Any:
     (``minimum: -(2**53 - 1)``), the range every JSON implementation holds exactly (RFC 8259 §6), for the grammar
     only, so a model cannot run away inside an integer's digits (seen on Qwen2.5-Coder-0.5B: ``150000…`` until the
     token budget ran out); every integer of up to 15 digits still decodes. An integer whose schema sets a bound
-    past that range (``minimum: 2**60``) is left alone: it is meant to be large; so is one under ``not``, ``if`` or
-    ``oneOf`` (:func:`narrowable_nodes`). Returned as is when nothing applies."""
+    past that range (``minimum: 2**60``) is meant to be large: its other bound is
+    ``±`` :data:`INTEGER_GRAMMAR_BOUND` (9 * 10^18) instead, where its own bound lies inside that (llguidance writes
+    no regex for a one-sided bound from 10^18 on; past ±9 * 10^18 the bound is left alone and compiling names it).
+    An integer under ``not``, ``if`` or ``oneOf`` is left alone (:func:`narrowable_nodes`). Returned as is when
+    nothing applies."""
     def applies(node: Any) -> bool:
         if not isinstance(node, dict) or node.get("type") != "integer" or any(k in node for k in ("enum", "const")):
             return False
         lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
-        large = (lo is not None and lo[0] >= SAFE_INTEGER - 1) or (hi is not None and hi[0] <= 1 - SAFE_INTEGER)
-        return (lo is None or hi is None) and not large
+        past = (lo is not None and lo[0] >= INTEGER_GRAMMAR_BOUND) or (hi is not None and hi[0] <= -INTEGER_GRAMMAR_BOUND)
+        return (lo is None or hi is None) and not past
 
     if not any(applies(node) for node in narrowable_nodes(schema)):
         return schema
@@ -372,10 +377,12 @@ def bound_integers(schema: Any) -> Any:
     for node in narrowable_nodes(schema):
         if applies(node):
             lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+            large = (lo is not None and lo[0] >= SAFE_INTEGER - 1) or (hi is not None and hi[0] <= 1 - SAFE_INTEGER)
+            bound = INTEGER_GRAMMAR_BOUND if large else SAFE_INTEGER
             if hi is None:
-                node["maximum"] = SAFE_INTEGER
+                node["maximum"] = bound
             if lo is None:
-                node["minimum"] = -SAFE_INTEGER
+                node["minimum"] = -bound
     return schema
 
 

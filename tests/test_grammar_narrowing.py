@@ -252,12 +252,63 @@ def test_integer_bounds_a_schema_sets_are_kept():
     from schemas.narrow import bound_integers
 
     wide = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2 ** 60}}}
-    assert bound_integers(wide) == wide  # meant to be large: left alone
+    # meant to be large: its lower bound kept, the upper one the largest llguidance writes a regex for
+    assert bound_integers(wide)["properties"]["n"] == {"type": "integer", "minimum": 2 ** 60, "maximum": 9 * 10 ** 18}
+    past = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2 ** 63}}}
+    assert bound_integers(past) == past  # no room below the grammar's bound: left alone (compiling names it)
     low = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}
     assert bound_integers(low)["properties"]["n"] == {"type": "integer", "minimum": 0, "maximum": 2 ** 53 - 1}
     both = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
     assert bound_integers(both) == both
     assert bound_integers({"type": "integer", "enum": [1, 2]}) == {"type": "integer", "enum": [1, 2]}
+
+
+@pytest.mark.parametrize("prop,good,bad", [
+    ({"type": "integer", "minimum": 2 ** 60}, [2 ** 60, 2 ** 60 + 7, 9 * 10 ** 18], [2 ** 60 - 1, 0]),
+    ({"type": "integer", "maximum": -10 ** 18}, [-10 ** 18, -(10 ** 18) - 3], [-(10 ** 18) + 1, 0]),
+], ids=["minimum", "maximum"])
+def test_an_integer_bounded_on_one_side_past_10_to_the_18_compiles_and_keeps_its_bound(llt, smol_tokenizer, prop,
+                                                                                        good, bad):
+    """llguidance builds no regex for such a one-sided bound ("Failed to generate regex for integer range"): the
+    grammar takes the other bound at ±9 * 10^18 and keeps the schema's."""
+    schema = {"type": "object", "properties": {"n": prop}, "required": ["n"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    for v in good:
+        assert accepts(llt, smol_tokenizer, grammar, call("f", {"n": v})), v
+    for v in bad:
+        assert not accepts(llt, smol_tokenizer, grammar, call("f", {"n": v})), v
+
+
+def test_an_exclusive_integer_bound_past_2_to_the_53_is_refused_strict_and_made_inclusive_lenient(llt,
+                                                                                                  smol_tokenizer):
+    """llguidance steps from an exclusive bound in floats, so ``exclusiveMinimum: 2^60`` admitted 2^60 itself."""
+    from constraints.json_schema import exact_bounds
+    from schemas import SchemaError
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": 2 ** 60}},
+              "required": ["n"]}
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("f", schema)
+    assert e.value.pointer == "/properties/n/exclusiveMinimum" and "the integer next to it" in str(e.value)
+    assert exact_bounds(schema)["properties"]["n"] == {"type": "integer", "minimum": 2 ** 60 + 256}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema, strict=False)), "required")
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"n": 2 ** 60}))
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"n": 2 ** 60 + 256}))
+
+
+@pytest.mark.parametrize("prop,keyword", [
+    ({"type": "number", "minimum": 1e300}, "minimum"),
+    ({"type": "number", "maximum": -1e18}, "maximum"),
+    ({"type": "integer", "minimum": 2 ** 63}, "minimum"),
+])
+def test_a_bound_the_grammar_cannot_write_is_named_with_its_pointer(prop, keyword):
+    from schemas import SchemaError
+
+    schema = {"type": "object", "properties": {"n": prop}, "required": ["n"]}
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("f", schema)
+    assert e.value.keyword == keyword and e.value.pointer == f"/properties/n/{keyword}"
+    assert f"keyword {keyword!r} at /properties/n/{keyword}" in str(e.value) and "±10^18" in str(e.value)
 
 
 @pytest.mark.parametrize("schema", [
