@@ -147,12 +147,18 @@ def _tools(tools: Any) -> ToolRegistry:
             registry.register(as_tool(t, strict=t["function"].get("strict") is not False))
         except SchemaError as e:
             where = f"tools[{i}].function.parameters" + (f" at {e.pointer}" if e.pointer else "")
-            raise RequestError(where, str(e)) from None
+            raise RequestError(where, _http_advice(str(e), f"tools[{i}].function")) from None
         except (ToolError, ValueError) as e:
             raise RequestError(f"tools[{i}].function", str(e)) from None
         except RecursionError:
             raise RequestError(f"tools[{i}].function.parameters", "is nested too deeply to compile") from None
     return registry
+
+
+def _http_advice(message: str, where: str) -> str:
+    """A schema error's advice in the request's terms: the Python API's ``strict=False`` is the field
+    ``"strict": false`` of ``where`` over HTTP."""
+    return message.replace("register with strict=False", f'set "strict": false in {where}')
 
 
 def _tool_choice(choice: Any, registry: ToolRegistry) -> Any:
@@ -192,7 +198,7 @@ def _response_format(spec: Any) -> ResponseFormat | None:
         return ResponseFormat(js["schema"], strict=strict is not False)
     except SchemaError as e:
         raise RequestError("response_format.json_schema.schema" + (f" at {e.pointer}" if e.pointer else ""),
-                           str(e)) from None
+                           _http_advice(str(e), "response_format.json_schema")) from None
     except RecursionError:
         raise RequestError("response_format.json_schema.schema", "is nested too deeply to compile") from None
 

@@ -203,7 +203,8 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         if api_key is None:
             return None
         given = request.headers.get("authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), api_key.encode()):
+        scheme, _, key = given.strip().partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode()):  # RFC 7235
             return None
         body = RequestError(None, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", 401,
                             code="invalid_api_key")

@@ -48,7 +48,8 @@ class DecodeStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """Emitted tokens per target forward after prefill."""
+        """Emitted tokens per target forward after prefill (the end token is not counted, its forward is: a turn of
+        a few tokens, or one cut by the grammar's end, can show less than 1)."""
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property

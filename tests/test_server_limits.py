@@ -250,6 +250,12 @@ def test_response_format_strict_false_relaxes_the_grammar_and_validates_after(ur
     fmt = lambda strict: {"type": "json_schema", "json_schema": {"name": "r", "strict": strict, "schema": schema}}  # noqa
     r = post(url + "/chat/completions", body(response_format=fmt(True)))
     assert r.status_code == 400 and "not" in r.json()["error"]["message"]
+    # the advice names the request's field, not the Python API's keyword
+    assert 'set "strict": false in response_format.json_schema' in r.json()["error"]["message"]
+    assert "strict=False" not in r.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    r = post(url + "/chat/completions", body(tools=[tool]))
+    assert r.status_code == 400 and 'set "strict": false in tools[0].function' in r.json()["error"]["message"]
     r = post(url + "/chat/completions", body(response_format=fmt(False), max_tokens=16))
     assert r.status_code == 200, r.text  # a relaxed output that fails validation is named, not a 500
     choice = r.json()["choices"][0]
@@ -317,6 +323,9 @@ def test_api_key_guards_every_route_but_health(engine):
         assert request("GET", root + "/health").status_code == 200
         ok = {"Authorization": "Bearer s3cret"}
         assert request("GET", root + "/v1/models", headers=ok).status_code == 200
+        for scheme in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive (RFC 7235 §2.1)
+            assert request("GET", root + "/v1/models", headers={"Authorization": scheme}).status_code == 200
+        assert request("GET", root + "/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert post(url + "/chat/completions", body(stream=True), headers=ok).status_code == 200
 
 
