@@ -466,15 +466,13 @@ FENCE = "```"  # opens a Markdown code block
 
 
 def distinct_calls(calls: list[dict]) -> list[dict]:
-    """``calls`` less each call whose name and arguments repeat an earlier one's (keys in any order), first kept:
-    two calls that differed only in optional arguments grounding dropped are one call (a turn never returns the
-    same call twice)."""
-    seen, out = set(), []
+    """``calls`` less each call whose name and arguments equal an earlier one's (Python ``==``, as the repeat rule
+    of ``agent.parallel_calls`` compares: keys in any order, ``3 == 3.0``), first kept: two calls that differed only
+    in optional arguments grounding dropped are one call (a turn never returns the same call twice)."""
+    out: list[dict] = []
     for call in calls:
-        args = call.get("arguments")
-        key = (call.get("name"), json.dumps(args, sort_keys=True) if isinstance(args, dict) else args)
-        if key not in seen:
-            seen.add(key)
+        if not any(call.get("name") == kept.get("name") and call.get("arguments") == kept.get("arguments")
+                   for kept in out):
             out.append(call)
     return out
 

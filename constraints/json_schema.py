@@ -118,11 +118,17 @@ def _inexact(v: Any) -> bool:
 
 
 def _inexact_exclusive(node: dict, k: str) -> bool:
-    """An exclusive bound of an integer past ±2^53: the integer next to it is no float64, and llguidance (which
-    steps from the bound in floats) let the bound itself through (``exclusiveMinimum: 2^60`` admitted 2^60)."""
+    """An exclusive bound of an integer past ±2^53 (``exclusiveMinimum: v``, or draft 04's ``minimum: v`` with
+    ``exclusiveMinimum: true``; ``type`` ``integer``, a list holding it, or none: an ``allOf`` sibling may make it
+    an integer): the integer next to it is no float64, and llguidance (which steps from the bound in floats) let the
+    bound itself through (``exclusiveMinimum: 2^60`` admitted 2^60)."""
     v = node.get(k)
-    return (k.startswith("exclusive") and node.get("type") == "integer" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and abs(v) >= 2 ** 53)
+    types = node.get("type", "integer")
+    if not (types == "integer" or (isinstance(types, list) and "integer" in types)):
+        return False
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or abs(v) < 2 ** 53:
+        return False
+    return k.startswith("exclusive") or node.get("exclusive" + k[0].upper() + k[1:]) is True
 
 
 def _inexact_bounds(schema: Any) -> list[tuple[tuple, str]]:
@@ -137,7 +143,8 @@ def check_exact_bounds(schema: Any, tool: str | None = None) -> None:
     for path, k in _inexact_bounds(schema):
         pointer = json_pointer(path + (k,))
         node = path_value(schema, path)
-        what = "the integer next to it" if _inexact_exclusive(node, k) else "no 64-bit float holds it"
+        what = "no 64-bit float holds the integer next to it" if _inexact_exclusive(node, k) \
+            else "no 64-bit float holds it"
         problems.append((pointer, k, f"keyword {k!r} at {pointer}: {node[k]} is past 2^53 and {what}, so the "
                                      f"grammar cannot enforce it exactly"))
     if problems:
@@ -172,8 +179,12 @@ def exact_bounds(schema: Any) -> Any:
         lower = k in ("minimum", "exclusiveMinimum")
         if _inexact_exclusive(node, k):  # the inclusive bound next to it, rounded inwards below
             v = (math.floor(v) + 1) if lower else (math.ceil(v) - 1)
-            del node[k]
-            k = "minimum" if lower else "maximum"
+            inclusive = "minimum" if lower else "maximum"
+            if k == inclusive:  # draft 04: drop the boolean that made it exclusive
+                node.pop("exclusiveMinimum" if lower else "exclusiveMaximum")
+            else:
+                del node[k]
+            k = inclusive
             f = float(v)
             if isinstance(node.get(k), (int, float)) and ((node[k] > v) if lower else (node[k] < v)):
                 continue  # the inclusive bound beside it is tighter (and handled on its own)
@@ -260,18 +271,29 @@ def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = 
 
 def _range_error(schema: Any, m: re.Match, message: str, tool: str | None) -> SchemaError:
     """The bound llguidance could not write a range for (``Failed to generate regex for integer range: min=…``),
-    found by value: its regex writer handles a one-sided bound below 10^18 in size and two-sided bounds within
+    found by value: the node whose bounds give the most of the message's ``min``/``max``, and of those the bound
+    largest in size. Its regex writer handles a one-sided bound below 10^18 in size and two-sided bounds within
     about ±9.2 * 10^18 (integers: a maximum of any size), measured on llguidance 1.x."""
     kind, lo, hi = m.group(1), m.group(2), m.group(3)
-    hits = []
+    best: tuple[int, float, str, str, Any] | None = None
     for path, node in walk(schema):
+        hits = []
         for k in _BOUND_KEYWORDS:
             v = node.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                wanted = lo if k in ("minimum", "exclusiveMinimum") else hi
-                if wanted is not None and float(wanted) == float(v):
-                    hits.append((json_pointer(path + (k,)), k, v))
-    p, k, v = hits[0] if hits else ("", "minimum" if lo is not None else "maximum", lo or hi)
+            wanted = lo if k in ("minimum", "exclusiveMinimum") else hi
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and wanted is not None \
+                    and float(wanted) == float(v):
+                hits.append((abs(float(v)), json_pointer(path + (k,)), k, v))
+        if hits:
+            size, p, k, v = max(hits, key=lambda h: h[0])
+            if best is None or (len(hits), size) > best[:2]:
+                best = (len(hits), size, p, k, v)
+    if best is None:  # llguidance clamped the bound (to 64 bits): the largest bound of the schema
+        bounds = [(abs(float(node[k])), json_pointer(path + (k,)), k, node[k]) for path, node in walk(schema)
+                  for k in _BOUND_KEYWORDS if isinstance(node.get(k), (int, float)) and not isinstance(node[k], bool)]
+        best = (0,) + max(bounds, key=lambda b: b[0]) if bounds else \
+            (0, 0.0, "", "minimum" if lo is not None else "maximum", lo or hi)
+    _, _, p, k, v = best
     what = "integers" if kind == "integer" else "numbers"
     return SchemaError(f"keyword {k!r} at {p or '/'}: the grammar cannot write {what} bounded by {v} "
                        f"(llguidance builds no regex for min={lo}, max={hi}); keep the bounds within ±10^18 "
@@ -388,8 +410,26 @@ def integral_counts(schema: Any) -> Any:
 def engine_schema(schema: Any) -> Any:
     """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): counts as integers
     (:func:`integral_counts`), real calendar dates (:func:`schemas.narrow.calendar_dates`), string lengths it can
-    write (:func:`capped_lengths`) and exact integer bounds (:func:`exact_bounds`)."""
-    return exact_bounds(capped_lengths(calendar_dates(integral_counts(schema))))
+    write (:func:`capped_lengths`), exact integer bounds (:func:`exact_bounds`) and bounds past 64 bits as the
+    floats they equal (:func:`wide_bounds_as_floats`)."""
+    return wide_bounds_as_floats(exact_bounds(capped_lengths(calendar_dates(integral_counts(schema)))))
+
+
+def wide_bounds_as_floats(schema: Any) -> Any:
+    """``schema`` with each integer bound past 64 bits (``maximum: 2**64``) written as the float it equals:
+    llguidance's Python binding cannot pass such an int ("Value is not JSON serializable") and reads bounds as
+    floats anyway (:func:`exact_bounds` has made them exact). Returned as is when there is none."""
+    def wide(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and not -2 ** 63 <= v < 2 ** 63
+
+    found = [(path, k) for path, node in walk(schema) for k in _BOUND_KEYWORDS if wide(node.get(k))]
+    if not found:
+        return schema
+    schema = copy.deepcopy(schema)
+    for path, k in found:
+        node = path_value(schema, path)
+        node[k] = float(node[k])
+    return schema
 
 
 def schema_compiles(schema: Any, lenient: bool = False) -> bool:
@@ -407,10 +447,17 @@ def _compiles(canonical: str, lenient: bool) -> bool:
     return True
 
 
-def check_enforceable(schema: Any, tool: str | None = None) -> None:
-    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration). Integers
-    are checked as every grammar writes them (:func:`schemas.narrow.bound_integers`: a one-sided bound from 10^18 on
-    compiles only once the other bound is set)."""
-    compile_json_schema(bound_integers(schema), lenient=False, tool=tool)
+def check_enforceable(schema: Any, tool: str | None = None, lenient: bool = False) -> None:
+    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration; ``lenient``:
+    unless its lenient grammar compiles): it compiles as written, or with integers bounded as the grammar bounds
+    them (:func:`schemas.narrow.bound_integers`, the first step of ``narrow_for_grammar``: a one-sided integer bound
+    from 10^18 on compiles only once the other bound is set). The error raised is the one of the schema as
+    written."""
+    try:
+        compile_json_schema(schema, lenient=lenient, tool=tool)
+    except SchemaError:
+        bounded = bound_integers(schema)
+        if bounded is schema or not schema_compiles(bounded, lenient):
+            raise
 
 

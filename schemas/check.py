@@ -180,8 +180,9 @@ def resolve_local_ref(schema: Any, ref: str) -> Any:
     return node
 
 
-EnforceabilityCheck = Callable[[Any, Optional[str]], None]
-"""``check(schema, tool)``: raise :class:`SchemaError` unless the grammar engine enforces ``schema`` exactly."""
+EnforceabilityCheck = Callable[[Any, Optional[str], bool], None]
+"""``check(schema, tool, lenient)``: raise :class:`SchemaError` unless the grammar engine enforces ``schema``
+exactly (``lenient``: unless it compiles with what it cannot enforce relaxed)."""
 
 _enforceability_checks: list[EnforceabilityCheck] = []
 
@@ -195,17 +196,22 @@ def set_enforceability_check(check: EnforceabilityCheck) -> None:
     _enforceability_checks[:] = [check]
 
 
-def check_enforceable(schema: Any, tool: str | None = None) -> None:
-    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration).
+def check_enforceable(schema: Any, tool: str | None = None, lenient: bool = False) -> None:
+    """Raise :class:`SchemaError` unless the grammar enforces ``schema`` exactly (strict registration); with
+    ``lenient`` (a ``strict=False`` tool or response format), unless its grammar compiles with the keywords it cannot
+    enforce relaxed (a bound past what the engine writes is still an error: better at registration than at the
+    first turn). Without an installed engine a lenient check passes (nothing to compile with).
 
     Raises:
-        SchemaError: the installed engine cannot enforce the schema (keyword and pointer named).
-        SpecAgentError: no grammar engine is installed (``import constraints`` installs llguidance's).
+        SchemaError: the installed engine cannot enforce (compile) the schema (keyword and pointer named).
+        SpecAgentError: strict, and no grammar engine is installed (``import constraints`` installs llguidance's).
     """
     if not _enforceability_checks:
+        if lenient:
+            return
         raise SpecAgentError("strict registration needs the grammar engine's enforceability check: import "
                              "constraints (or any of decoding, agent) first, or register with strict=False")
-    _enforceability_checks[0](schema, tool)
+    _enforceability_checks[0](schema, tool, lenient)
 
 
 def instance_validator(schema: Any, *, check_formats: bool = True):

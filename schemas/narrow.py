@@ -434,8 +434,8 @@ def bound_arrays(schema: Any, max_items: int) -> Any:
 def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
                        max_decimals: int | None = None, max_items: int | None = None,
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
-    """The schema the grammar enforces for ``schema``: closed objects, date/time formats its descriptions state
-    (:func:`stated_formats`), integers kept to JSON's exact range (:func:`bound_integers`), then bounded scalars
+    """The schema the grammar enforces for ``schema``: integers kept to JSON's exact range (:func:`bound_integers`),
+    closed objects, date/time formats its descriptions state (:func:`stated_formats`), then bounded scalars
     and arrays (when asked: :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing
     narrows the whole (:func:`narrowable_nodes`).
 
@@ -446,7 +446,9 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
             dropped, never the tool. None: the steps are kept as built (they are satisfiable by construction).
     """
     out = schema
-    steps = [close_objects, stated_formats, bound_integers]
+    # integers first: a large one-sided integer bound compiles only once bound_integers gives it its other bound
+    # (a step is kept only where its result compiles), so the steps after it can narrow that schema too
+    steps = [bound_integers, close_objects, stated_formats]
     if max_string_length is not None or max_decimals is not None:
         steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
     if max_items is not None:

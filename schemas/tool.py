@@ -84,8 +84,7 @@ class Tool:
             raise SchemaError(f"parameters must be a JSON Schema of type 'object' (the arguments are a JSON object), "
                               f"got type {kind!r}", pointer="/type", keyword="type", tool=self.name)
         check_valid(self.parameters, tool=self.name)
-        if self.strict:
-            check_enforceable(self.parameters, tool=self.name)
+        check_enforceable(self.parameters, tool=self.name, lenient=not self.strict)
         if self.model is None:  # formats are assertions, as in the grammar (2023-02-29 is no date)
             self._validator = instance_validator(self.parameters)
 
@@ -230,8 +229,7 @@ class ResponseFormat:
                             f"{type(spec).__name__}")
         self.strict = strict
         check_valid(self.schema, tool="response_format")
-        if strict:
-            check_enforceable(self.schema, tool="response_format")
+        check_enforceable(self.schema, tool="response_format", lenient=not strict)
         self._validator = None if self.model else instance_validator(self.schema)
 
     def validate(self, value: Any) -> Any:

@@ -300,15 +300,59 @@ def test_an_exclusive_integer_bound_past_2_to_the_53_is_refused_strict_and_made_
     ({"type": "number", "minimum": 1e300}, "minimum"),
     ({"type": "number", "maximum": -1e18}, "maximum"),
     ({"type": "integer", "minimum": 2 ** 63}, "minimum"),
+    ({"type": "integer", "minimum": 10 ** 20}, "minimum"),  # llguidance clamps it to 2^63 - 1 in its message
 ])
-def test_a_bound_the_grammar_cannot_write_is_named_with_its_pointer(prop, keyword):
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_bound_the_grammar_cannot_write_is_named_with_its_pointer(prop, keyword, strict):
+    """Strict or not (a lenient tool relaxes what the grammar cannot enforce, but a bound it cannot write breaks
+    the whole turn grammar: refused at registration, not at the first turn), beside a property with bounds."""
     from schemas import SchemaError
 
-    schema = {"type": "object", "properties": {"n": prop}, "required": ["n"]}
+    schema = {"type": "object", "properties": {"a": {"type": "number", "minimum": 0, "maximum": 10}, "n": prop},
+              "required": ["n"]}
     with pytest.raises(SchemaError) as e:
-        Tool.from_schema("f", schema)
+        Tool.from_schema("f", schema, strict=strict)
     assert e.value.keyword == keyword and e.value.pointer == f"/properties/n/{keyword}"
     assert f"keyword {keyword!r} at /properties/n/{keyword}" in str(e.value) and "±10^18" in str(e.value)
+
+
+@pytest.mark.parametrize("prop", [
+    {"allOf": [{"type": "integer"}, {"minimum": 2 ** 54}]},
+    {"type": "integer", "allOf": [{"minimum": 2 ** 54}]},
+    {"type": "integer", "maximum": 2 ** 64},  # an int past 64 bits, passed to llguidance as the float it equals
+], ids=["allOf", "type-and-allOf", "past-64-bits"])
+def test_large_integer_bounds_that_compile_as_written_still_register(llt, smol_tokenizer, prop):
+    """Bounding the bare integer node to ±(2^53 - 1) would make these unsatisfiable: the check takes the schema as
+    written where it compiles."""
+    schema = {"type": "object", "properties": {"n": prop}, "required": ["n"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"n": 2 ** 54 + 1}))
+
+
+def test_an_integer_bounded_on_one_side_past_10_to_the_18_keeps_its_object_closed(llt, smol_tokenizer):
+    """The object-closing step compiles only once the integer has its other bound (bound_integers comes first)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": -10 ** 18}}, "required": ["n"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required")
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"n": -10 ** 18}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"n": -10 ** 18, "type": "integer"}))
+
+
+@pytest.mark.parametrize("prop,keyword", [
+    ({"type": ["integer", "null"], "exclusiveMinimum": 2 ** 60, "maximum": 2 ** 61}, "exclusiveMinimum"),
+    ({"type": "integer", "minimum": 2 ** 60, "exclusiveMinimum": True}, "minimum"),  # draft 04
+    ({"allOf": [{"type": "integer"}, {"exclusiveMinimum": 2 ** 60, "maximum": 2 ** 61}]}, "allOf/1/exclusiveMinimum"),
+])
+def test_every_form_of_an_exclusive_integer_bound_past_2_to_the_53_is_refused_strict(prop, keyword):
+    from schemas import SchemaError
+
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "properties": {"n": prop},
+              "required": ["n"]}
+    if keyword != "minimum":
+        del schema["$schema"]
+    with pytest.raises(SchemaError) as e:
+        Tool.from_schema("f", schema)
+    assert e.value.pointer == f"/properties/n/{keyword}"
+    Tool.from_schema("f", schema, strict=False)  # lenient: the inclusive bound beside it
 
 
 @pytest.mark.parametrize("schema", [

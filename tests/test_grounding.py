@@ -158,20 +158,22 @@ def test_auto_answers_in_text_once_no_tool_is_left(smol_dir, monkeypatch):
 
 
 def test_calls_that_differ_only_in_dropped_arguments_are_returned_once(smol_dir, monkeypatch):
-    """Two decoded calls that differ only in an optional value nobody wrote become one call, the first; a call
-    whose kept arguments differ stays (arguments compared with keys in any order)."""
+    """Decoded calls that differ only in an optional value nobody wrote become one call, the first; a call whose
+    kept arguments differ stays (arguments compared as Python compares them: keys in any order, 3 == 3.0)."""
     _, gen = scripted(smol_dir, "hermes", "", None)
     engine = LocalEngine(gen)
-    lima = [{"role": "user", "content": "Weather in Lima and Oslo, celsius?"}]
+    asked = [{"role": "user", "content": "Weather in Lima and Oslo, celsius, for 3 days?"}]
+    lima = {"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}}
     calls = [{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius", "days": 3}},
-             {"name": "get_weather", "arguments": {"days": 5, "unit": "celsius", "city": "Lima"}},
+             {"name": "get_weather", "arguments": {"days": 3.0, "unit": "celsius", "city": "Lima"}},
+             {"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius", "days": 5}},
+             {"name": "get_weather", "arguments": {"unit": "celsius", "city": "Lima", "days": 6}},
              {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 2}}]
     _scripted_decodes(monkeypatch, engine, [_turn(calls)])
-    out = engine.turn(lima, [WEATHER], "required")
-    assert out.calls == [{"name": "get_weather", "arguments": {"city": "Lima", "unit": "celsius"}},
-                         {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]
+    out = engine.turn(asked, [WEATHER], "required")
+    assert out.calls == [calls[0], lima, {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]
     _scripted_decodes(monkeypatch, engine, [_turn(calls)])
-    assert engine.turn(lima, [WEATHER], "required", config=EngineConfig(grounding=False)).calls == calls
+    assert engine.turn(asked, [WEATHER], "required", config=EngineConfig(grounding=False)).calls == calls
 
 
 @pytest.mark.parametrize("case", ["named", "off", "grounded", "retry cut"])
