@@ -368,7 +368,8 @@ def bound_integers(schema: Any) -> Any:
         if not isinstance(node, dict) or node.get("type") != "integer" or any(k in node for k in ("enum", "const")):
             return False
         lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
-        past = (lo is not None and lo[0] >= INTEGER_GRAMMAR_BOUND) or (hi is not None and hi[0] <= -INTEGER_GRAMMAR_BOUND)
+        past = (lo is not None and lo[0] >= INTEGER_GRAMMAR_BOUND) or \
+            (hi is not None and hi[0] <= -INTEGER_GRAMMAR_BOUND)
         return (lo is None or hi is None) and not past
 
     if not any(applies(node) for node in narrowable_nodes(schema)):
