@@ -507,8 +507,10 @@ class _Context:
         self.vocab_size = model.vocab_size
         self.n_embd = int(llama_cpp.llama_model_n_embd(model._model))
         self.slots: list[list[int]] = [[] for _ in range(slots)]  # per slot: the ids its KV cache holds, in order
-        # per slot: its first ``big`` tokens were computed in decodes of >= SMALL_UBATCH tokens (prefill_classes)
+        # per slot: its first ``big`` tokens were computed in decodes of >= SMALL_UBATCH tokens, the rest of its
+        # first ``profiled`` in smaller ones (prefill_classes); past ``profiled`` a big decode followed small ones
         self.big = [0] * slots
+        self.profiled = [0] * slots
         # per slot: the last-layer hidden states of its first positions, as float32 [n_i, d] chunks (decoded with
         # hidden=True; contiguous from position 0), so a reused prefix gives its states without a new prefill
         self.states: list[list[np.ndarray]] = [[] for _ in range(slots)]
@@ -544,6 +546,7 @@ class _Context:
         for cached in self.slots:
             del cached[:]
         self.big = [0] * len(self.slots)
+        self.profiled = [0] * len(self.slots)
         for states in self.states:
             del states[:]
 
@@ -597,8 +600,11 @@ class _Context:
                 raise RuntimeError(f"llama_decode failed with code {rc} at position {at} "
                                    f"({len(chunk)} tokens; context {self.lib.llama_n_ctx(self.ctx)})")
             contiguous = self.known_states() == self.length
-            if len(chunk) >= SMALL_UBATCH and self.big[self.seq] == self.length:
-                self.big[self.seq] += len(chunk)
+            seq, length = self.seq, self.length
+            if len(chunk) >= SMALL_UBATCH and self.big[seq] == length:
+                self.big[seq] += len(chunk)
+            if self.profiled[seq] == length and (len(chunk) < SMALL_UBATCH or self.big[seq] == length + len(chunk)):
+                self.profiled[seq] += len(chunk)
             self.tokens.extend(chunk)
             n_out = len(chunk) if hidden else len(picked)
             if picked:
@@ -621,6 +627,7 @@ class _Context:
                 raise UnsupportedModelError("llama.cpp could not remove positions from this model's KV cache")
             del self.tokens[length:]
             self.big[self.seq] = min(self.big[self.seq], length)
+            self.profiled[self.seq] = min(self.profiled[self.seq], length)
             self._crop_states(length)
 
     def _crop_states(self, length: int) -> None:
@@ -841,7 +848,8 @@ class LlamaCppLM:
         n = min(self.ctx.select(prompt), len(prompt) - 1)
         self._prefill_big = None
         if self.loaded.batch_invariant:
-            big, keep = prefill_classes(prompt, self.ctx.tokens, self.ctx.big[self.ctx.seq])
+            seq = self.ctx.seq
+            big, keep = prefill_classes(prompt, self.ctx.tokens[:self.ctx.profiled[seq]], self.ctx.big[seq])
             n = min(n, keep)
             self._prefill_big = big
         if hidden:

@@ -356,6 +356,23 @@ def test_a_reused_prefix_gives_the_logits_of_an_empty_cache_prefill(cpp, monkeyp
     assert torch.equal(logits, again[1]) and again[0] == 0
 
 
+def test_a_big_decode_after_small_ones_is_not_reused_as_small(cpp, monkeypatch):
+    """A slot fed 10 tokens, then 79 in one decode (big-class rows past small ones): a 50-token prompt sharing 49 of
+    them is prefilled all small from an empty cache, so only the first 10 may be kept."""
+    from decoding import llamacpp
+
+    monkeypatch.setattr(llamacpp, "SLOT_SIMILARITY", 0.0)
+    prompt = [100 + (37 * i) % 4000 for i in range(50)]
+    lm = cpp.new_lm()
+    lm.reset()
+    fresh = _prefill_then_next_logits(lm, prompt)[1]
+    lm.reset()
+    lm.forward(prompt[:10], num_logits=1)
+    lm.forward(prompt[10:49] + [4100 + i for i in range(40)], num_logits=1)
+    kept, logits = _prefill_then_next_logits(lm, prompt)
+    assert kept == 10 and torch.equal(logits, fresh)
+
+
 def test_prefix_cache_prefills_only_new_tokens_and_changes_no_token(cpp, questions):
     """A decode keeps the longest prefix of its prompt still in one of the thread's cached slots, and its tokens
     equal a decode from an empty cache. A prompt sharing under half of a slot (another question's tools) takes the
