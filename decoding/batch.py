@@ -48,7 +48,7 @@ from schemas.errors import SpecAgentError
 
 from .drafters import Drafter
 from .llamacpp import (PREFILL_BATCH, SMALL_UBATCH, LlamaCppModel, SequenceBatchContext,  # noqa: F401 (re-exported)
-                       common_prefix, prefill_classes)
+                       common_prefix, equal_pieces, prefill_classes)
 from .sampling import SamplingParams
 from .speculative import SpeculativeSequence, verify_end_rows, verify_inputs, verify_logits
 from .stats import DecodeResult
@@ -422,13 +422,12 @@ class BatchScheduler:
     def _prefill_alone(self, s: int, req: _Request) -> bool:
         """Prefill ``prompt[fed:big]`` (>= SMALL_UBATCH tokens) in decodes of this sequence alone, in equal chunks of
         at most PREFILL_BATCH (each >= SMALL_UBATCH). False when that failed (the sequence left)."""
-        n = req.big - req.fed
-        pieces = -(-n // PREFILL_BATCH)
         t0 = time.perf_counter()
+        a = req.fed
         try:
-            for i in range(pieces):
-                a, b = req.fed + n * i // pieces, req.fed + n * (i + 1) // pieces
-                self.ctx.decode([(s, req.prompt[a:b], [])])
+            for size in equal_pieces(req.big - req.fed, PREFILL_BATCH):
+                self.ctx.decode([(s, req.prompt[a:a + size], [])])
+                a += size
         except BaseException as e:  # noqa: BLE001
             self._leave(s, error=e)
             return False

@@ -481,6 +481,13 @@ def prefill_classes(prompt: list[int], cached: list[int], cached_big: int) -> tu
     return big, keep
 
 
+def equal_pieces(n: int, most: int) -> list[int]:
+    """``n`` tokens split into the fewest decodes of at most ``most``, as equal as can be: how a big-class part is
+    fed (each piece is >= ``min(n, most // 2)``, so >= :data:`SMALL_UBATCH` when ``n`` is)."""
+    pieces = -(-n // most)
+    return [n * (i + 1) // pieces - n * i // pieces for i in range(pieces)]
+
+
 PREFIX_SLOTS = 2  # cached sequences per thread's context (llama.cpp server's slots, for the prefix cache)
 SLOT_SIMILARITY = 0.5  # llama.cpp server's --slot-prompt-similarity: below it, a prompt takes the least recent slot
 
@@ -846,16 +853,13 @@ class LlamaCppLM:
         bits, like the verify rows.
         """
         n = min(self.ctx.select(prompt), len(prompt) - 1)
-        self._prefill_big = None
-        if self.loaded.batch_invariant:
-            seq = self.ctx.seq
-            big, keep = prefill_classes(prompt, self.ctx.tokens[:self.ctx.profiled[seq]], self.ctx.big[seq])
-            n = min(n, keep)
-            self._prefill_big = big
         if hidden:
             n = min(n, self.ctx.known_states())
-        if self._prefill_big is not None and 0 < self._prefill_big - n < SMALL_UBATCH:
-            n = self._prefill_big - SMALL_UBATCH  # a big part still to feed needs >= SMALL_UBATCH tokens
+        self._prefill_big = None
+        if self.loaded.batch_invariant:  # of the n reusable tokens, those whose class a fresh prefill gives them
+            seq = self.ctx.seq
+            self._prefill_big, n = prefill_classes(prompt, self.ctx.tokens[:min(n, self.ctx.profiled[seq])],
+                                                   self.ctx.big[seq])
         self.ctx.crop(n, always=True)  # even at n == len(cached): nothing unrecorded may stay past n
         return n
 
@@ -903,10 +907,8 @@ class LlamaCppLM:
         decodes of fewer (:meth:`reuse_prefix`); None (``big`` None): ``n_batch`` at a time."""
         if big is None:
             return None
-        at = self.ctx.length
-        first = min(max(big - at, 0), k)
-        pieces = -(-first // self.ctx.n_batch)
-        chunks = [first * (i + 1) // pieces - first * i // pieces for i in range(pieces)]
+        first = min(max(big - self.ctx.length, 0), k)
+        chunks = equal_pieces(first, self.ctx.n_batch)
         rest = k - first
         chunks += [min(SMALL_UBATCH - 1, rest - a) for a in range(0, rest, SMALL_UBATCH - 1)]
         return chunks
