@@ -6,6 +6,7 @@ This is the only place that compiles a JSON Schema; ``schemas`` knows JSON Schem
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import json
@@ -275,25 +276,18 @@ def _range_error(schema: Any, m: re.Match, message: str, tool: str | None) -> Sc
     largest in size. Its regex writer handles a one-sided bound below 10^18 in size and two-sided bounds within
     about ±9.2 * 10^18 (integers: a maximum of any size), measured on llguidance 1.x."""
     kind, lo, hi = m.group(1), m.group(2), m.group(3)
-    best: tuple[int, float, str, str, Any] | None = None
-    for path, node in walk(schema):
-        hits = []
-        for k in _BOUND_KEYWORDS:
-            v = node.get(k)
-            wanted = lo if k in ("minimum", "exclusiveMinimum") else hi
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and wanted is not None \
-                    and float(wanted) == float(v):
-                hits.append((abs(float(v)), json_pointer(path + (k,)), k, v))
-        if hits:
-            size, p, k, v = max(hits, key=lambda h: h[0])
-            if best is None or (len(hits), size) > best[:2]:
-                best = (len(hits), size, p, k, v)
-    if best is None:  # llguidance clamped the bound (to 64 bits): the largest bound of the schema
-        bounds = [(abs(float(node[k])), json_pointer(path + (k,)), k, node[k]) for path, node in walk(schema)
-                  for k in _BOUND_KEYWORDS if isinstance(node.get(k), (int, float)) and not isinstance(node[k], bool)]
-        best = (0,) + max(bounds, key=lambda b: b[0]) if bounds else \
-            (0, 0.0, "", "minimum" if lo is not None else "maximum", lo or hi)
-    _, _, p, k, v = best
+
+    def matches(k: str, v: Any) -> bool:
+        wanted = lo if k in ("minimum", "exclusiveMinimum") else hi
+        return wanted is not None and float(wanted) == float(v)
+
+    bounds = [(path, k, node[k]) for path, node in walk(schema) for k in _BOUND_KEYWORDS
+              if isinstance(node.get(k), (int, float)) and not isinstance(node[k], bool)]
+    per_node = collections.Counter(path for path, k, v in bounds if matches(k, v))
+    # where nothing matches, llguidance clamped the bound (to 64 bits): the largest bound of the schema
+    path, k, v = max(bounds, key=lambda b: (per_node[b[0]] if matches(b[1], b[2]) else 0, abs(float(b[2]))),
+                     default=(None, "minimum" if lo is not None else "maximum", lo or hi))
+    p = "" if path is None else json_pointer(path + (k,))
     what = "integers" if kind == "integer" else "numbers"
     return SchemaError(f"keyword {k!r} at {p or '/'}: the grammar cannot write {what} bounded by {v} "
                        f"(llguidance builds no regex for min={lo}, max={hi}); keep the bounds within ±10^18 "
