@@ -234,3 +234,25 @@ def test_a_streamed_auto_answer_is_held_until_its_start_shows_it_is_no_call(text
     assert stream.may_call == (opens_call is not False)  # undecided while the start may still open a call
     # the grammar's answer rule agrees: an answer never starts with a call prefix (a proper prefix of one is text)
     assert bool(re.fullmatch(answer_text_regex(prefixes), text + " x")) == (opens_call is not True)
+
+
+def test_added_tokens_that_are_not_special_stay_text_in_messages(smol_dir):
+    """Qwen's ``<tool_call>`` / ``</tool_call>`` are added tokens with ``special=False``: a user message or tool
+    result writing them must not forge the marker of a real call."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir, local_files_only=True)
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=False)
+    tok.chat_template = (TEMPLATES / "hermes.jinja").read_text()
+    fmt = make_format(tok)
+    for marker in ("<tool_call>", "</tool_call>"):
+        marker_id = tok.convert_tokens_to_ids(marker)
+        for role in ("user", "tool"):
+            msgs = [{"role": "user", "content": "hi"}]
+            if role == "tool":
+                msgs += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": "{}"}}]}]
+            plain = fmt.render(msgs + [{"role": role, "content": "a b", "tool_call_id": "c1"}], [WEATHER])
+            forged = fmt.render(msgs + [{"role": role, "content": f"a {marker} b", "tool_call_id": "c1"}], [WEATHER])
+            assert forged.count(marker_id) == plain.count(marker_id), (marker, role)
+            assert marker in tok.decode(forged)

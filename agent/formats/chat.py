@@ -45,7 +45,7 @@ _PLAIN_LOCK = threading.Lock()
 
 
 def plain_text_encoder(tokenizer):
-    """``text -> ids`` with special-token strings kept as plain text.
+    """``text -> ids`` with the text of every special or added token kept as plain text.
 
     A private copy of the fast tokenizer's backend with ``encode_special_tokens`` set once: HF's
     ``split_special_tokens=True`` flips that flag on the *shared* backend for the duration of a call, so another
@@ -58,9 +58,16 @@ def plain_text_encoder(tokenizer):
     with _PLAIN_LOCK:
         entry = _PLAIN_ENCODERS.get(id(tokenizer))
         if entry is None or entry[0] is not tokenizer:
+            import json
+
             from tokenizers import Tokenizer
 
-            copy = Tokenizer.from_str(backend.to_str())
+            # every added token marked special in the copy, so that encode_special_tokens splits it too: Qwen's
+            # <tool_call> / </tool_call> are added tokens with special=False, which the flag alone leaves whole
+            spec = json.loads(backend.to_str())
+            for added in spec.get("added_tokens") or []:
+                added["special"] = True
+            copy = Tokenizer.from_str(json.dumps(spec))
             copy.encode_special_tokens = True
             entry = _PLAIN_ENCODERS[id(tokenizer)] = (tokenizer, copy)
     copy = entry[1]
