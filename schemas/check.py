@@ -137,6 +137,72 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
                 pointer = json_pointer(path + ("$ref",))
                 raise SchemaError(f"$ref {ref!r} at {pointer} points to nothing in this schema",
                                   pointer=pointer, keyword="$ref", tool=tool)
+    check_finite(schema, tool)
+
+
+def check_finite(schema: Any, tool: str | None = None) -> None:
+    """Raise :class:`SchemaError` where a local ``$ref`` describes no finite value: every value it admits must hold
+    itself again (``{"$defs": {"A": {"$ref": "#/$defs/A"}}}``, or an object whose required property refers back to
+    it). No value could be generated (llguidance fails at the first mask) or validated (jsonschema recurses
+    forever).
+
+    The check is a least fixpoint over the schema's local ``$ref`` targets (a context-free grammar's productive
+    nonterminals): a target is finite once its own keywords can be met with finite values: ``allOf`` all,
+    ``anyOf``/``oneOf`` one, an object's ``required`` properties (where ``type`` is only ``"object"``), an array's
+    first ``minItems`` items (where ``type`` is only ``"array"``), and its own ``$ref``. Other keywords (types,
+    bounds) are taken as satisfiable: only cycles are found.
+    """
+    refs: dict[str, Any] = {}
+    for _, node in walk(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
+            target = resolve_local_ref(schema, ref)
+            if target is not MISSING:
+                refs[ref] = target
+    if not refs:
+        return
+    finite: set[str] = set()
+
+    def ok(node: Any) -> bool:
+        if isinstance(node, bool):
+            return node
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in refs and ref not in finite:
+            return False
+        for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
+            if isinstance(node.get(key), list) and node[key] and not need(ok(s) for s in node[key]):
+                return False
+        kind = node.get("type")
+        kind = kind[0] if isinstance(kind, list) and len(kind) == 1 else kind
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if kind == "object" and isinstance(node.get("required"), list):
+            if not all(ok(props[name]) for name in node["required"] if isinstance(name, str) and name in props):
+                return False
+        if kind == "array" and isinstance(node.get("minItems"), int) and node["minItems"] > 0:
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            first = prefix[:node["minItems"]]
+            rest = node.get("items") if len(first) < node["minItems"] else None
+            if not all(ok(s) for s in first) or (rest is not None and not ok(rest)):
+                return False
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in refs.items():
+            if ref not in finite and ok(target):
+                finite.add(ref)
+                changed = True
+    for path, node in walk(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in refs and ref not in finite:
+            pointer = json_pointer(path + ("$ref",))
+            raise SchemaError(f"$ref {ref!r} at {pointer} admits no finite value: it leads to false, or back to "
+                              f"itself with no way out (every value it describes would hold itself again); make a "
+                              f"property on the cycle optional or add an alternative (anyOf with a null)",
+                              pointer=pointer, keyword="$ref", tool=tool)
 
 
 MISSING = object()

@@ -139,6 +139,40 @@ def test_dangling_ref_names_the_pointer():
     assert e.value.keyword == "$ref" and "#/defs/missing" in str(e.value)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_ref_that_admits_no_finite_value_is_refused_at_registration(strict):
+    """llguidance failed at the first mask ("NoExtensionBias", "Too many items": a 500 from the server) and
+    jsonschema recursed forever: now a SchemaError naming the $ref."""
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}
+    refused = {
+        "/$defs/A/$ref": {"$defs": {"A": {"$ref": "#/$defs/A"}}, "properties": {"v": {"$ref": "#/$defs/A"}}},
+        "/$defs/A/$ref ": {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+                           "properties": {"v": {"$ref": "#/$defs/A"}}},
+        "/$defs/A/allOf/0/$ref": {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}]}},
+                                  "properties": {"v": {"$ref": "#/$defs/A"}}},
+        "/$defs/N/properties/next/$ref": {"$defs": {"N": {**node, "required": ["next"]}},
+                                          "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]},
+        "/$defs/T/properties/kids/items/$ref": {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
+            "kids": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/T"}}}}},
+            "properties": {"t": {"$ref": "#/$defs/T"}}},
+    }
+    for pointer, schema in refused.items():
+        with pytest.raises(SchemaError, match="admits no finite value") as e:
+            Tool.from_schema("f", {"type": "object", **schema}, strict=strict)
+        assert e.value.keyword == "$ref" and e.value.pointer == pointer.strip()
+    kept = [  # recursion with a way out: an optional property, a null alternative, an empty array
+        {"$defs": {"N": node}, "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]},
+        {"$defs": {"N": {**node, "required": ["next"], "properties": {
+            "next": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}}}}, "properties": {"v": {"$ref": "#/$defs/N"}}},
+        {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
+            "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}}}, "properties": {"t": {"$ref": "#/$defs/T"}}},
+        {"properties": {"child": {"$ref": "#"}}},
+    ]
+    for schema, value in zip(kept, ({"v": {"next": {}}}, {"v": {"next": None}}, {"t": {"kids": [{"kids": []}]}},
+                                     {"child": {"child": {}}})):
+        Tool.from_schema("f", {"type": "object", **schema}, strict=strict).validate(value)
+
+
 def test_function_without_annotations_or_with_varargs_is_rejected():
     def f(x):
         return x
