@@ -55,6 +55,8 @@ from fastapi import FastAPI, Request  # the optional "serve" extra: pip install 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from constraints import GrammarEngineError
+
 from .engine import DecodedTurn, EngineConfig, LocalEngine
 from .openai_protocol import (ChatRequest, RequestError, TextStream, chunk, completion, make_choice, new_id,
                               parse_chat_request, tool_call_deltas, usage)
@@ -114,6 +116,18 @@ class _Slot:
             self.stop("timeout")
         if self.cancel.is_set():
             raise Cancelled(self.reason)
+
+
+def _decode_error(e: Exception) -> RequestError:
+    """The client's error for a decode that raised ``e``: 400 where llguidance failed on the request's grammar (a
+    schema too complex for it: the client can simplify it), else 500 (logged with its traceback)."""
+    if isinstance(e, GrammarEngineError):
+        logger.warning("grammar engine failed: %s", e.detail or e)
+        return RequestError(None, f"the grammar of this request's tools or response_format is too complex for "
+                            f"llguidance ({e}); simplify the schema (e.g. a long counted repetition such as "
+                            f"a{{100000}} in a pattern)", status=400)
+    logger.error("decode failed", exc_info=e)
+    return RequestError(None, f"generation failed: {e}", status=500)
 
 
 def _timeout_error(seconds: float | None) -> RequestError:
@@ -346,9 +360,8 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
                 return error(_timeout_error(request_timeout))
             m_requests.labels("499").inc()  # nobody is listening
             return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001 - a failed decode answers 500; the server goes on
-            logger.exception("decode failed")
-            return error(RequestError(None, f"generation failed: {e}", status=500))
+        except Exception as e:  # noqa: BLE001 - a failed decode answers 500 (400: the schema); the server goes on
+            return error(_decode_error(e))
         record(turn, 200, t0)
         return completion(req, choice, turn)
 
@@ -422,8 +435,7 @@ async def _sse(req: ChatRequest, slot: _Slot, future: asyncio.Future, queue: asy
             if isinstance(e, Cancelled) and e.args and e.args[0] == "timeout":
                 err = _timeout_error(request_timeout)
             else:
-                logger.exception("decode failed")
-                err = RequestError(None, f"generation failed: {e}", status=500)
+                err = _decode_error(e)
             if not (isinstance(e, Cancelled) and e.args and e.args[0] != "timeout"):
                 record(None, err.status, t0)
                 counted = True

@@ -21,6 +21,26 @@ class ConstraintError(SpecAgentError, RuntimeError):
     """The grammar cannot take a token (or is in an error state); the message says which token and why."""
 
 
+class GrammarEngineError(ConstraintError):
+    """llguidance itself failed on the grammar (its matcher is in an error state), e.g. a limit of its lexer or
+    parser ("too many expressions constructed" for ``"pattern": "^a{100000}$"``, "Too many items"): the schema the
+    grammar came from is too complex for it, not a token the decoder chose. The message holds the first line of
+    llguidance's error; :attr:`detail` all of it (with the parser state).
+
+    Attributes:
+        detail: llguidance's whole error text.
+    """
+
+    def __init__(self, message: str, detail: str = ""):
+        super().__init__(message)
+        self.detail = detail
+
+
+def _engine_error(what: str, error: str) -> GrammarEngineError:
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return GrammarEngineError(f"{what}: {first}", error)
+
+
 class ConstraintState:
     """The grammar state of one sequence.
 
@@ -43,7 +63,7 @@ class ConstraintState:
         self.vocab_size = tokenizer.vocab_size
         self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
         if self.matcher.is_error():
-            raise ConstraintError(f"grammar does not load: {self.matcher.get_error()}")
+            raise _engine_error("grammar does not load", self.matcher.get_error())
         self.num_tokens = 0
         self._eos_unrecorded = False  # EOS consumed on a stopped matcher: llguidance keeps no token for it
         self._tokens: list[int] = []  # consumed tokens (one is consumed again when an unrecorded EOS is undone)
@@ -90,7 +110,7 @@ class ConstraintState:
                                   f"{self._context()}")
         unrecorded = token == self.tokenizer.eos_token and self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"consuming token {token} failed: {self.matcher.get_error()}")
+            raise _engine_error(f"consuming token {token} failed", self.matcher.get_error())
         self._eos_unrecorded = unrecorded
         self._tokens.append(token)
         self.num_tokens += 1
@@ -110,7 +130,7 @@ class ConstraintState:
             bad = tokens[n]
             raise ConstraintError(f"token {bad} ({self._show(bad)}) at index {n} is not allowed{self._context()}")
         if tokens and not self.matcher.consume_tokens(list(tokens)):
-            raise ConstraintError(f"consuming tokens failed: {self.matcher.get_error()}")
+            raise _engine_error("consuming tokens failed", self.matcher.get_error())
         self._tokens.extend(tokens)
         self.num_tokens += len(tokens)
 
@@ -162,7 +182,7 @@ class ConstraintState:
         """Raise :class:`ConstraintError` (naming ``what`` and llguidance's message) when the matcher is in its
         error state; no-op otherwise."""
         if self.matcher.is_error():
-            raise ConstraintError(f"grammar error while {what}: {self.matcher.get_error()}")
+            raise _engine_error(f"grammar error while {what}", self.matcher.get_error())
 
     def _show(self, token: int) -> str:
         try:

@@ -314,7 +314,7 @@ class GatedEngine:
     def turn(self, *args, **kwargs):
         assert self.gate.wait(60)
         if self.fail:
-            raise RuntimeError("the accelerator caught fire")
+            raise self.fail if isinstance(self.fail, Exception) else RuntimeError("the accelerator caught fire")
         return self.engine.turn(*args, **kwargs)
 
 
@@ -326,6 +326,29 @@ def test_a_generation_error_is_500_and_the_server_keeps_serving(engine):
         gated.fail = True
         with pytest.raises(openai.InternalServerError, match="the accelerator caught fire"):
             client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
+        gated.fail = False
+        resp = client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
+        assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_schema_too_complex_for_llguidance_is_400_streamed_or_not(engine):
+    """llguidance's lexer gives up on ``"pattern": "^a{100000}$"`` mid-decode ("too many expressions
+    constructed"): the client's schema, so 400 with llguidance's first line, never its parser state."""
+    from constraints import GrammarEngineError
+
+    gated = GatedEngine(engine)
+    gated.gate.set()
+    gated.fail = GrammarEngineError("consuming token 606 failed: lexer error: too many expressions constructed",
+                                    "lexer error: too many expressions constructed\n<state>\nTokens: ...")
+    with ServerThread(create_app(gated, config=CONFIG)) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match="too complex for llguidance") as e:
+            client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
+        assert "<state>" not in str(e.value) and "GrammarEngineError" not in str(e.value)
+        body = json.dumps({"model": "gated", "messages": user("hi"), "max_tokens": 4, "stream": True}).encode()
+        req = urllib.request.Request(url + "/chat/completions", body, {"Content-Type": "application/json"})
+        events = urllib.request.urlopen(req, timeout=60).read().decode()
+        assert '"type": "invalid_request_error"' in events and "too complex for llguidance" in events
         gated.fail = False
         resp = client.chat.completions.create(model="gated", messages=user("hi"), max_tokens=4)
         assert resp.choices[0].finish_reason in ("stop", "length")
