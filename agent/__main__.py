@@ -187,6 +187,22 @@ def _drafter_label(generator, name: str) -> str:
     return name if resolved == name else f"{name} ({resolved})"
 
 
+def _at_least(minimum: float, kind=int, strictly: bool = False):
+    """An argparse type: a number of ``kind`` >= ``minimum`` (> with ``strictly``); argparse names the flag in its
+    error (``argument --concurrency: expected …``), before the model loads."""
+    def parse(text: str):
+        try:
+            n = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
+                from None
+        if n < minimum or (strictly and n == minimum):
+            raise argparse.ArgumentTypeError(f"expected a number {'>' if strictly else '>='} {minimum}, got {text}")
+        return n
+    parse.__name__ = kind.__name__  # argparse's "invalid int value" wording where the parse fails
+    return parse
+
+
 def _count_or_none(what: str, minimum: int):
     """An argparse type: a count of ``what`` >= ``minimum``, or ``none`` (``--max-decimals``, ``--max-items``)."""
     def parse(text: str) -> int | str:
@@ -323,23 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-waiting", type=int, default=64,
+    p.add_argument("--max-waiting", type=_at_least(0), default=64,
                    help="requests that may wait, streamed or not; more get HTTP 429 with Retry-After")
-    p.add_argument("--concurrency", type=int, default=1, help="decodes at once over the one model (threads)")
-    p.add_argument("--max-batch", type=int, default=None,
+    p.add_argument("--concurrency", type=_at_least(1), default=1, help="decodes at once over the one model (threads)")
+    p.add_argument("--max-batch", type=_at_least(1), default=None,
                    help="llama.cpp backend: continuous batching of up to N requests (one llama_decode per step for "
                         "all; replaces --concurrency)")
-    p.add_argument("--seq-ctx", type=int, default=None,
+    p.add_argument("--seq-ctx", type=_at_least(1), default=None,
                    help="with --max-batch: KV positions per request (default 2048; the context holds N times that)")
-    p.add_argument("--max-rows", type=int, default=None,
+    p.add_argument("--max-rows", type=_at_least(1), default=None,
                    help="with --max-batch: tokens per step's llama_decode, all requests together (default 128)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
                         "SPECAGENT_API_KEY; none: no check, and a warning when --host is not loopback)")
-    p.add_argument("--request-timeout", type=float, default=None,
+    p.add_argument("--request-timeout", type=_at_least(0, float, strictly=True), default=None,
                    help="seconds per request from admission; then its decode stops and it gets 504 (default: none)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--max-body-bytes", type=_at_least(1), default=4 * 1024 * 1024, help="larger request bodies get 413")
+    p.add_argument("--drain-timeout", type=_at_least(0, float), default=30.0,
                    help="on SIGTERM: new requests get 503; in-flight ones get this many seconds to finish")
     p.add_argument("--max-string-length", type=int, default=None, help="default grammar cap on unbounded strings")
     p.add_argument("--max-decimals", type=int, default=None, help="default grammar bound on numbers")

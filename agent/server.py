@@ -166,6 +166,12 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     """
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+    for what, value, low in (("max_waiting", max_waiting, 0), ("concurrency", concurrency, 1),
+                             ("max_body_bytes", max_body_bytes, 1), ("max_batch", max_batch, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{what} must be >= {low}, got {value}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0 seconds (None: no limit), got {request_timeout}")
     name = model_name or engine.name
     names = (name, "default")
     if max_batch is not None:
@@ -318,8 +324,9 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         return req, slot
 
     @app.get("/health")
-    async def health():
-        return {"status": "draining" if state.draining else "ok", "model": name, "in_flight": state.in_flight}
+    async def health():  # 503 while draining: a load balancer stops routing here (new requests get 503 anyway)
+        body = {"status": "draining" if state.draining else "ok", "model": name, "in_flight": state.in_flight}
+        return JSONResponse(body, status_code=503 if state.draining else 200)
 
     @app.get("/metrics")
     async def metrics(request: Request):
