@@ -268,6 +268,8 @@ class Agent:
                                  run_kwargs=kwargs)
         if backend != "thread":
             raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+            raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
         for i, p in enumerate(prompts):  # every prompt checked before any runs
             try:
                 self._initial_messages(p)
@@ -413,8 +415,8 @@ class Agent:
             content = m.get("content")
             if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
                 raise ValueError(f"message {i} ({m['role']}) has no 'content'")
-            if m["role"] == "tool":
-                pass  # a tool's result: text, or any JSON value (rendered as JSON)
+            if m["role"] == "tool":  # a tool's result: text, or any JSON value (rendered as JSON)
+                _check_answers_a_call(messages, i)
             elif isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
@@ -431,6 +433,24 @@ class Agent:
                 except ToolCallError as e:
                     raise ToolCallError(f"message {i}: {e}", tool=e.tool, pointer=e.pointer) from None
         return messages
+
+
+def _check_answers_a_call(messages: list[dict], i: int) -> None:
+    """Raise ValueError unless the ``tool`` message ``messages[i]`` answers a call: it follows (after other tool
+    messages) an assistant message with ``tool_calls``, and its ``tool_call_id``, where given, names one of them
+    (as the server and OpenAI require)."""
+    j = i - 1
+    while j >= 0 and messages[j].get("role") == "tool":
+        j -= 1
+    calls = messages[j].get("tool_calls") if j >= 0 and messages[j].get("role") == "assistant" else None
+    if not calls:
+        raise ValueError(f"message {i} (tool) answers no call: a tool message follows the assistant message whose "
+                         f"tool_calls it answers")
+    call_id = messages[i].get("tool_call_id")
+    ids = {tc.get("id") for tc in calls if isinstance(tc, dict) and tc.get("id")}
+    if call_id is not None and ids and call_id not in ids:
+        raise ValueError(f"message {i} (tool): tool_call_id {call_id!r} names no call of message {j} "
+                         f"({', '.join(sorted(map(repr, ids)))})")
 
 
 def _check_budgets(max_new_tokens: Any, max_total_tokens: Any, max_steps: Any) -> None:

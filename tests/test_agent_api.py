@@ -57,8 +57,32 @@ def test_text_parts_are_read_as_their_text(agent, turns, monkeypatch):
         RuntimeError("stop here")))
     with pytest.raises(RuntimeError):
         agent.run([{"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "?"}]},
-                   {"role": "tool", "tool_call_id": "x", "content": {"temp": 21}}])
-    assert seen[0][0]["content"] == "Weather ?" and seen[0][1]["content"] == {"temp": 21}
+                   CALLED, {"role": "tool", "tool_call_id": "x", "content": {"temp": 21}}])
+    assert seen[0][0]["content"] == "Weather ?" and seen[0][2]["content"] == {"temp": 21}
+
+
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "zz", "content": "3"}],
+     "message 1 (tool) answers no call"),
+    ([{"role": "user", "content": "hi"}, CALLED, {"role": "tool", "tool_call_id": "zz", "content": "3"}],
+     "message 2 (tool): tool_call_id 'zz' names no call of message 1"),
+])
+def test_a_tool_message_must_answer_a_call_as_the_server_requires(agent, turns, messages, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        agent.run(messages)
+    assert not turns
+    with pytest.raises(RuntimeError, match="stop here"):  # answering the call (an id is optional here) decodes
+        agent.run([{"role": "user", "content": "hi"}, CALLED, {"role": "tool", "content": "3"}])
+
+
+def test_run_batch_refuses_max_workers_below_one(agent, turns):
+    with pytest.raises(ValueError, match="max_workers must be an integer >= 1, got 0"):
+        agent.run_batch(["hi"], max_workers=0)
+    assert not turns
 
 
 def test_required_with_no_tools_is_refused(tiny_target):
