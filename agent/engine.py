@@ -424,7 +424,8 @@ class LocalEngine:
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
                                            else 2, answer_opens_no_call=True if answer_only else None,
                                            answer_excludes=answer_excludes)
-        return self.format.render(messages, list(tools)), grammar, allowed, mode
+        several = parallel_tool_calls is True and mode != "none" and bool(allowed)
+        return self.format.render(messages, list(tools), several=several), grammar, allowed, mode
 
     def _opens_call(self, text: str) -> bool:
         """Whether a turn's ``text`` (perhaps cut) opens a call: it starts with what opens one in this format."""

@@ -401,7 +401,7 @@ class BfclTurn:
         """Prompt token ids as ``Agent.run`` renders them, in the tool format ``fmt`` (None: ``generic`` on
         ``tokenizer``)."""
         fmt = fmt or GenericFormat(tokenizer)
-        return fmt.render(self.messages, self.tools)
+        return fmt.render(self.messages, self.tools, several=self.parallel is True)
 
     def grammar(self, tool_choice: str | None = None, *, fmt: ToolFormat | None = None,
                 max_string_length: int | None = MAX_STRING_LENGTH, max_decimals: int | None = MAX_DECIMALS):

@@ -236,6 +236,32 @@ def test_a_streamed_auto_answer_is_held_until_its_start_shows_it_is_no_call(text
     assert bool(re.fullmatch(answer_text_regex(prefixes), text + " x")) == (opens_call is not True)
 
 
+def test_hermes_shows_several_calls_in_its_layout_where_several_are_asked_for(smol_dir):
+    from agent.formats.hermes import SEVERAL_CALLS_EXAMPLE
+
+    tok, target, _ = family(smol_dir, "hermes")
+    fmt = make_format(tok)
+    user = [{"role": "user", "content": "Weather in Oslo and Rome?"}]
+    plain, several = fmt.render(user, [WEATHER]), fmt.render(user, [WEATHER], several=True)
+    assert SEVERAL_CALLS_EXAMPLE not in tok.decode(plain)
+    # the template's default system text first, then the example, then the template's tool list
+    assert "You are a helpful assistant.\n\n" + SEVERAL_CALLS_EXAMPLE + "\n\n# Tools" in tok.decode(several)
+    opener = tok.get_added_vocab()["<tool_call>"]
+    assert several.count(opener) == plain.count(opener)  # the example's markers are plain text, not control tokens
+    own = [{"role": "system", "content": "Be brief."}] + user
+    assert "Be brief.\n\n" + SEVERAL_CALLS_EXAMPLE in tok.decode(fmt.render(own, [WEATHER], several=True))
+    after = user + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+    assert fmt.render(after, [WEATHER], several=True) == fmt.render(after, [WEATHER])  # the answer turn: no list
+    # the agent renders it exactly where several calls are asked for
+    agent = Agent(Generator(target), [WEATHER], max_steps=1)
+    for parallel, expected in ((True, several), (None, plain), (False, plain)):
+        res = agent.run(user, tool_choice="required", parallel_tool_calls=parallel, max_new_tokens=8)
+        assert res.stats.prompt_tokens == len(expected), parallel
+
+
 def test_added_tokens_that_are_not_special_stay_text_in_messages(smol_dir):
     """Qwen's ``<tool_call>`` / ``</tool_call>`` are added tokens with ``special=False``: a user message or tool
     result writing them must not forge the marker of a real call."""

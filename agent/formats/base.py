@@ -58,8 +58,15 @@ class ToolFormat:
                 "Agent(..., chat_template=TEXT_OR_PATH) or `python -m agent ... --chat-template FILE`")
 
     # -- the interface --------------------------------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
-        """Prompt token ids for OpenAI-style ``messages`` (generation prompt added)."""
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
+               several: bool = False) -> list[int]:
+        """Prompt token ids for OpenAI-style ``messages`` (generation prompt added).
+
+        Args:
+            use_tools: list ``tools`` in the prompt.
+            several: several calls are asked for (``parallel_tool_calls=True``); a format may then show its
+                several-call layout in the prompt (``hermes`` does; the others render as without).
+        """
         raise NotImplementedError
 
     def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,

@@ -48,7 +48,8 @@ class GenericFormat(ToolFormat):
     name = "generic"
     parallel = True
 
-    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
+               several: bool = False) -> list[int]:
         if self.chat_template == getattr(self.tokenizer, "chat_template", None):
             return render_prompt(self.tokenizer, messages, tools, use_tools=use_tools)
         return self.encode_chat(to_chat_messages(messages, tools, use_tools=use_tools))

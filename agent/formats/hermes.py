@@ -40,6 +40,17 @@ from .base import ToolFormat, openai_tools, template_chat
 from .chat import ANSWER_SYSTEM_PROMPT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+# Where several calls are asked for (``parallel_tool_calls=True``), the system message ends with a worked example of
+# several calls in this layout (plain text, as message content always is). Dev split, Qwen2.5-Coder-0.5B, the first
+# 50 parallel and parallel_multiple questions: docs/benchmarks.md, "An example of several calls in the prompt".
+SEVERAL_CALLS_EXAMPLE = (
+    "The user may ask for several things in one message. Make one function call for each of them. For example, "
+    "for \"Get the stock price of Apple and of Tesla, and the latest news about Tesla.\" with functions "
+    "stock_price(company) and company_news(company), answer:\n"
+    "<tool_call>\n{\"name\": \"stock_price\", \"arguments\": {\"company\": \"Apple\"}}\n</tool_call>\n"
+    "<tool_call>\n{\"name\": \"stock_price\", \"arguments\": {\"company\": \"Tesla\"}}\n</tool_call>\n"
+    "<tool_call>\n{\"name\": \"company_news\", \"arguments\": {\"company\": \"Tesla\"}}\n</tool_call>")
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
@@ -47,8 +58,10 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     parallel = True
     counts_calls = True
+    _default_system: str | None = None  # default_system(), once read from the template
 
-    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
+               several: bool = False) -> list[int]:
         chat = template_chat(messages)
         if use_tools and tools and messages and messages[-1]["role"] == "tool":
             if chat[0]["role"] == "system":
@@ -56,8 +69,31 @@ class HermesFormat(ToolFormat):
             else:
                 chat.insert(0, {"role": "system", "content": ANSWER_SYSTEM_PROMPT})
             use_tools = False
+        elif several and use_tools and tools:
+            chat = self._with_several_calls_example(chat)
         extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
         return self.encode_chat(chat, **extra)
+
+    def _with_several_calls_example(self, chat: list[dict]) -> list[dict]:
+        """``chat`` with :data:`SEVERAL_CALLS_EXAMPLE` at the end of its system message; where the chat has none,
+        a system message holding the template's own default system text first (:meth:`default_system`), so the
+        prompt differs from the plain one only by the example."""
+        if chat and chat[0]["role"] == "system":
+            return [{**chat[0], "content": chat[0]["content"] + "\n\n" + SEVERAL_CALLS_EXAMPLE}] + chat[1:]
+        default = self.default_system()
+        return [{"role": "system", "content": (default + "\n\n" if default else "") + SEVERAL_CALLS_EXAMPLE}] + chat
+
+    def default_system(self) -> str:
+        """The system text the chat template writes before ``# Tools`` where the chat has no system message
+        (Qwen2.5: "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."; Qwen3: none, "")."""
+        if self._default_system is None:
+            probe = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[probe],
+                                                      add_generation_prompt=True, tokenize=False,
+                                                      chat_template=self.chat_template)
+            m = re.search(r"<\|im_start\|>system\n(.*?)# Tools", text, re.S)
+            self._default_system = m.group(1).strip() if m else ""
+        return self._default_system
 
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
         block = f'{self.marker(OPEN)} "\\n" call "\\n" {self.marker(CLOSE)}'

@@ -22,7 +22,8 @@ class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     parallel = False
 
-    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+    def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
+               several: bool = False) -> list[int]:
         chat = template_chat(messages, one_call_per_turn=True)
         extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
         return self.encode_chat(chat, **extra)
