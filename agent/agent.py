@@ -216,7 +216,9 @@ class Agent:
 
     def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         """Like :meth:`run`, but yields :class:`Event` objects as they happen (tokens, tool calls, answer, stats);
-        the last event is ``"done"`` with the :class:`RunResult`. Exceptions are re-raised in the caller.
+        the last event is ``"done"`` with the :class:`RunResult`. Exceptions are re-raised in the caller. A stream
+        left early (``close()``, a ``break``) stops its decode at the next step, as the server does for a client
+        that disconnects.
 
         Raises:
             TypeError: a keyword argument :meth:`run` does not take (at the call, before anything runs)."""
@@ -226,25 +228,36 @@ class Agent:
     def _stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         q: queue.Queue = queue.Queue()
         sentinel = object()
+        closed = threading.Event()  # the consumer stopped iterating (close(), break, garbage collection)
+
+        def emit(event: Event) -> None:  # called from the decode at every step: where a closed stream stops it
+            if closed.is_set():
+                raise _StreamClosed()
+            q.put(event)
 
         def work():
             try:
-                result = self._run(prompt, q.put, **kwargs)
+                result = self._run(prompt, emit, **kwargs)
                 q.put(Event("done", result=result))
+            except _StreamClosed:
+                pass  # nobody is listening
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 q.put(e)
             finally:
                 q.put(sentinel)
 
-        thread = threading.Thread(target=work, daemon=True)
+        thread = threading.Thread(target=work, daemon=True, name="specagent-stream")
         thread.start()
-        while True:
-            item = q.get()
-            if item is sentinel:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        try:
+            while True:
+                item = q.get()
+                if item is sentinel:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            closed.set()  # a stream left early stops its decode at the next step (a tool already running finishes)
         thread.join()
 
     def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, backend: str = "thread",
@@ -433,6 +446,10 @@ class Agent:
                 except ToolCallError as e:
                     raise ToolCallError(f"message {i}: {e}", tool=e.tool, pointer=e.pointer) from None
         return messages
+
+
+class _StreamClosed(Exception):
+    """Raised in a stream's decode thread at its next step once the consumer stopped iterating."""
 
 
 def _check_answers_a_call(messages: list[dict], i: int) -> None:

@@ -173,6 +173,34 @@ def test_streaming_reraises_errors(tiny_target):
         list(agent.stream([{"role": "assistant", "tool_calls": [{"function": {"name": "nope", "arguments": {}}}]}]))
 
 
+def test_a_stream_left_early_stops_its_decode_at_the_next_step(tiny_target):
+    """A helper's finding: ``Agent.stream`` closed after three events kept decoding to its budget (21 s on the 0.5B)
+    and slowed the next run. Now the decode stops at its next step."""
+    agent = Agent(Generator(tiny_target), [add], drafter="none")
+    steps, turn = [], agent.engine.turn
+
+    def counted(*args, **kwargs):
+        on_text = args[-1] if len(args) == 7 else kwargs.get("on_text")
+        args = args[:-1] if len(args) == 7 else args
+        kwargs["on_text"] = lambda text: (steps.append(text), on_text(text))
+        return turn(*args, **kwargs)
+
+    agent.engine.turn = counted
+    before = set(threading.enumerate())
+    stream = agent.stream("Say a long thing.", tool_choice="none", max_new_tokens=300)
+    for i, event in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:  # the decode thread ends
+        time.sleep(0.01)
+    assert not set(threading.enumerate()) - before
+    assert len(steps) <= 5, len(steps)  # the events read, and the step that found the stream closed
+    full = list(agent.stream("Say a long thing.", tool_choice="none", max_new_tokens=300))
+    assert full[-1].type == "done" and len(steps) > 10  # left open, the same decode runs on
+
+
 def test_tool_that_hangs_past_its_timeout_gets_a_timeout_error(tiny_target):
     script = lambda p: '<tool_call>[{"name": "slow", "arguments": {"x": 1}}]</tool_call>' \
         if "<|im_start|>tool" not in p else "gave up"
