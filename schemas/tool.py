@@ -118,7 +118,7 @@ class Tool:
         if isinstance(value, pydantic.BaseModel):
             if getattr(self, "_takes_model", False):
                 return _awaited(self.fn(value))
-            kwargs = {k: getattr(value, k) for k in type(value).model_fields}
+            kwargs = {f.alias or k: getattr(value, k) for k, f in type(value).model_fields.items()}
             return _awaited(self.fn(**kwargs))
         return _awaited(self.fn(**value))
 
@@ -136,7 +136,8 @@ class Tool:
         Google-style ``Args:`` sections (``name (type): text`` or ``name: text``) give per-argument descriptions.
 
         Raises:
-            ToolError: a parameter without annotation, or ``*args`` / ``**kwargs``.
+            ToolError: a parameter without annotation, ``*args`` / ``**kwargs``, or annotations pydantic cannot
+                build a model from (naming the tool).
         """
         inner = fn.func if isinstance(fn, functools.partial) else fn  # a partial has no name or docstring
         tool_name = name or getattr(inner, "__name__", None)
@@ -159,11 +160,28 @@ class Tool:
                                 f"typed parameters")
             if pname not in hints:
                 raise ToolError(f"tool {tool_name!r}: parameter {pname!r} has no type annotation")
+            if isinstance(hints[pname], str):
+                raise ToolError(f"tool {tool_name!r}: parameter {pname!r}: cannot resolve its annotation "
+                                f"{hints[pname]!r} (a type defined inside a function cannot be resolved from a string "
+                                f"annotation, e.g. under `from __future__ import annotations`: define it at module "
+                                f"level)")
             default = ... if p.default is p.empty else p.default
             doc = arg_docs.get(pname)  # none: an Annotated[..., Field(description=...)] keeps its own
-            fields[pname] = (hints[pname], pydantic.Field(default, **({"description": doc} if doc else {})))
-        model = pydantic.create_model(_model_name(tool_name), **fields)
-        schema = _clean_pydantic_schema(model.model_json_schema())
+            extra = {"description": doc} if doc else {}
+            field = pname
+            if pname.startswith("_") or pname.startswith("model_") or hasattr(pydantic.BaseModel, pname):
+                # a name pydantic keeps for itself (model_config, model_dump, _x, schema): a field of another
+                # name with the parameter's as its alias (the schema, validation and invoke() use the alias)
+                field, extra = f"arg_{len(fields)}_", {**extra, "alias": pname}
+            fields[field] = (hints[pname], pydantic.Field(default, **extra))
+        try:
+            model = pydantic.create_model(_model_name(tool_name), **fields)
+            schema = _clean_pydantic_schema(model.model_json_schema())
+        except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError, NameError) as e:
+            raise ToolError(f"tool {tool_name!r}: cannot build the model of its arguments from the signature: "
+                            f"{str(e).splitlines()[0]} (a type defined inside a function cannot be resolved from "
+                            f"a string annotation, e.g. under `from __future__ import annotations`: define it at "
+                            f"module level)") from None
         return cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,
                    strict=strict)
 
@@ -342,8 +360,23 @@ def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     import typing
     try:
         return typing.get_type_hints(fn, include_extras=True)
-    except Exception:  # unresolved forward references: fall back to raw annotations
-        return {k: v for k, v in getattr(fn, "__annotations__", {}).items()}
+    except Exception:  # an unresolved forward reference: resolve each annotation alone (a str where it fails)
+        hints = {}
+        for k, v in getattr(fn, "__annotations__", {}).items():
+            try:
+                hints[k] = typing.get_type_hints(_Annotated(k, v, fn), include_extras=True)[k]
+            except Exception:
+                hints[k] = v
+        return hints
+
+
+class _Annotated:
+    """One annotation of ``fn`` alone, for ``typing.get_type_hints`` (resolved in ``fn``'s globals)."""
+
+    def __init__(self, name: str, annotation: Any, fn: Callable[..., Any]):
+        self.__annotations__ = {name: annotation}
+        self.__globals__ = getattr(fn, "__globals__", {})
+        self.__module__ = getattr(fn, "__module__", None)
 
 
 def _model_name(tool_name: str) -> str:

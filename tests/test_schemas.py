@@ -174,6 +174,34 @@ def test_a_ref_that_admits_no_finite_value_is_refused_at_registration(strict):
         Tool.from_schema("f", {"type": "object", **schema}, strict=strict).validate(value)
 
 
+def test_parameter_names_pydantic_keeps_for_itself_are_tool_arguments_like_any_other():
+    """``model_config``, ``model_dump``, ``schema`` and ``_x`` are legal Python parameter names: they raised
+    pydantic's own errors (``'FieldInfo' object is not iterable``, "protected namespace")."""
+    def f(model_config: str, _x: int, model_dump: int = 1, schema: str = "s") -> str:
+        return f"{model_config}{_x}{model_dump}{schema}"
+
+    tool = Tool.from_function(f)
+    assert list(tool.parameters["properties"]) == ["model_config", "_x", "model_dump", "schema"]
+    assert tool.parameters["required"] == ["model_config", "_x"]
+    assert tool.invoke(tool.make_call({"model_config": "a", "_x": 2, "schema": "z"})) == "a21z"
+    with pytest.raises(ToolCallError):
+        tool.make_call({"model_config": "a"})
+
+
+def test_an_annotation_that_cannot_be_resolved_names_the_parameter():
+    """Under ``from __future__ import annotations`` (this module), a class defined inside a function is a string
+    nobody can resolve: pydantic's "not fully defined" (or, named like the argument model, a schema referring to
+    itself) became a ToolError naming the parameter."""
+    class GArgs(pydantic.BaseModel):
+        a: int
+
+    def g(x: GArgs, n: int) -> int:
+        return x.a + n
+
+    with pytest.raises(ToolError, match="tool 'g': parameter 'x': cannot resolve its annotation 'GArgs'"):
+        Tool.from_function(g)
+
+
 def test_function_without_annotations_or_with_varargs_is_rejected():
     def f(x):
         return x
