@@ -62,12 +62,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "alias:shipped) is the identity configuration: bit-identical verify rows, so greedy "
                         "speculative output equals one token per forward; more threads are faster but may flip "
                         "near-ties)")
-    p.add_argument("--ctx-size", "-c", type=int, default=None,
+    p.add_argument("--ctx-size", "-c", type=_at_least(1), default=None,
                    help="llama.cpp backend: KV cache positions per sequence, prompt + output (default 8192, capped by "
                         "the model's training context), as llama.cpp's -c")
     p.add_argument("--device", default="cpu", help="torch backend: cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", help="torch backend: float32, bfloat16, float16")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=256)
     p.add_argument("--no-grounding", dest="grounding", action="store_false",
                    help="return calls as decoded: keep optional arguments the conversation does not write, and "
                         "never decode a turn again whose calls take nothing from it (agent/grounding.py)")
@@ -162,6 +162,8 @@ def cmd_run(args) -> int:
 
     from .tool_choice import filter_tools
 
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty: give a question or instruction")
     tools = load_tools(args.tools)
     filter_tools(ToolRegistry(tools), args.tool_choice)  # an unknown tool name fails before the model loads
     t = time.perf_counter()

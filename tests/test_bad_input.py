@@ -158,7 +158,8 @@ def test_cli_bad_grammar_bounds_fail_before_the_model_loads(capsys, flag, value,
 @pytest.mark.parametrize("flag, value, text", [("--max-waiting", "-1", ">= 0"), ("--concurrency", "0", ">= 1"),
                                                ("--max-body-bytes", "0", ">= 1"), ("--request-timeout", "0", "> 0"),
                                                ("--request-timeout", "-5", "> 0"), ("--drain-timeout", "x", "number"),
-                                               ("--max-batch", "0", ">= 1"), ("--seq-ctx", "-2", ">= 1")])
+                                               ("--max-batch", "0", ">= 1"), ("--seq-ctx", "-2", ">= 1"),
+                                               ("--max-new-tokens", "0", ">= 1"), ("--ctx-size", "0", ">= 1")])
 def test_serve_limits_under_which_nothing_could_be_served_fail_before_the_model_loads(capsys, flag, value, text):
     """``--max-waiting -1`` answered every request 429, ``--max-body-bytes 0`` every one 413, ``--concurrency 0``
     failed naming ``max_workers``: now argparse names the flag (exit status 2) and the Python API raises."""
@@ -171,6 +172,11 @@ def test_serve_limits_under_which_nothing_could_be_served_fail_before_the_model_
     for kwargs in ({"max_waiting": -1}, {"concurrency": 0}, {"max_body_bytes": 0}, {"request_timeout": 0}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             create_app(object(), model_name="x", **kwargs)
+
+
+def test_cli_empty_prompt_fails_before_the_model_loads(capsys):
+    assert "the prompt is empty" in _one_line_error(capsys, ["run", "--model", "no-such-model", "--tools",
+                                                             "examples.my_tools:TOOLS", "  "])
 
 
 # -- integer bounds past 2^53: the grammar compares bounds as 64-bit floats ------------------------------------------
