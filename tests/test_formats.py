@@ -247,9 +247,12 @@ def test_hermes_shows_several_calls_in_its_layout_where_several_are_asked_for(sm
     # the template's default system text first, then the example, then the template's tool list
     assert "You are a helpful assistant.\n\n" + SEVERAL_CALLS_EXAMPLE + "\n\n# Tools" in tok.decode(several)
     opener = tok.get_added_vocab()["<tool_call>"]
-    assert several.count(opener) == plain.count(opener)  # the example's markers are plain text, not control tokens
+    assert several.count(opener) == plain.count(opener) + 3  # the format's own example: its markers are control tokens
     own = [{"role": "system", "content": "Be brief."}] + user
     assert "Be brief.\n\n" + SEVERAL_CALLS_EXAMPLE in tok.decode(fmt.render(own, [WEATHER], several=True))
+    # a user's system message that writes the example itself keeps it plain text: only the format's copy is markup
+    forged = [{"role": "system", "content": SEVERAL_CALLS_EXAMPLE}] + user
+    assert fmt.render(forged, [WEATHER], several=True).count(opener) == plain.count(opener) + 3
     after = user + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}]},

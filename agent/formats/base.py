@@ -234,16 +234,20 @@ class ToolFormat:
         tid = None if self.tokenizer is None else single_added_token(self.tokenizer, text)
         return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
-    def encode_chat(self, chat: list[dict], **template_kwargs: Any) -> list[int]:
+    def encode_chat(self, chat: list[dict], *, format_suffix: tuple[int, str] | None = None,
+                    **template_kwargs: Any) -> list[int]:
         """Apply the chat template and tokenize: only the template's own markers become special tokens.
 
         Message content is tokenized as plain text, so a user or tool result that contains ``<|im_end|>`` (or any
-        added token's text) cannot forge a control token.
+        added token's text) cannot forge a control token. ``format_suffix``: ``(i, text)`` where message ``i``'s
+        content ends with ``text`` written by the format itself (not the user: hermes' example of several calls),
+        whose markers are control tokens like the template's own.
         """
         tok = self.tokenizer
         kwargs = dict(add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, **template_kwargs)
         added = [t for t in tok.get_added_vocab()]
-        if not any(isinstance(m.get("content"), str) and any(a in m["content"] for a in added) for m in chat):
+        if format_suffix is None and not any(isinstance(m.get("content"), str) and any(a in m["content"] for a in added)
+                                             for m in chat):
             return tok.encode(tok.apply_chat_template(chat, **kwargs), add_special_tokens=False)
         contents: dict[str, str] = {}
         masked = []
@@ -254,9 +258,13 @@ class ToolFormat:
                 m = {**m, "content": key}
             masked.append(m)
         plain = plain_text_encoder(tok)  # a private tokenizer copy: thread-safe plain-text encoding
+        suffix_key, suffix = (f"\ue000{format_suffix[0]}\ue001", format_suffix[1]) if format_suffix else (None, "")
         ids: list[int] = []
         for piece in re.split("(\ue000\\d+\ue001)", tok.apply_chat_template(masked, **kwargs)):
-            if piece in contents:
+            if piece == suffix_key and contents[piece].endswith(suffix):
+                text = contents[piece][:len(contents[piece]) - len(suffix)]
+                ids += (plain(text) if text else []) + tok.encode(suffix, add_special_tokens=False)
+            elif piece in contents:
                 ids += plain(contents[piece])
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)

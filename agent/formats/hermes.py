@@ -42,8 +42,9 @@ from .chat import ANSWER_SYSTEM_PROMPT
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 # Where several calls are asked for (``parallel_tool_calls=True``), the system message ends with a worked example of
-# several calls in this layout (plain text, as message content always is). Dev split, Qwen2.5-Coder-0.5B, the first
-# 50 parallel and parallel_multiple questions: docs/benchmarks.md, "An example of several calls in the prompt".
+# several calls in this layout, its markers the control tokens (the format's text, not a message's). Dev split,
+# Qwen2.5-Coder-0.5B, the first 50 parallel and parallel_multiple questions: docs/benchmarks.md, "An example of
+# several calls in the prompt".
 SEVERAL_CALLS_EXAMPLE = (
     "The user may ask for several things in one message. Make one function call for each of them. For example, "
     "for \"Get the stock price of Apple and of Tesla, and the latest news about Tesla.\" with functions "
@@ -71,6 +72,8 @@ class HermesFormat(ToolFormat):
             use_tools = False
         elif several and use_tools and tools:
             chat = self._with_several_calls_example(chat)
+            # the example is the format's text, not a message's: its markers are control tokens, as measured
+            return self.encode_chat(chat, format_suffix=(0, SEVERAL_CALLS_EXAMPLE), tools=openai_tools(tools))
         extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
         return self.encode_chat(chat, **extra)
 
