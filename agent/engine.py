@@ -331,8 +331,8 @@ class LocalEngine:
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
         masked = parallel_tool_calls is True and self.format.counts_calls
-        end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls, context=conversation_text(messages),
-                                    free_calls=2 if masked else 1, require_new=masked) if parallel else None
+        end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
+                                    context=conversation_text(messages) if masked else None) if parallel else None
         # the model asks to end inside a call it is writing: stop there where the call closes into a valid one
         closings: list[str] = []  # the closing found where end_when stopped the decode (its last answer)
 

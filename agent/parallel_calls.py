@@ -14,11 +14,6 @@ ends the turn there, from the calls alone:
   does not ends the turn and is dropped; a call still being written ends it as soon as one of its finished
   values is such a value (the whole call would end it too), so a runaway invented value (a list of made-up names
   until the budget) cannot cut the turn;
-* **nothing unwritten** (where the model ends the turn itself: ``require_new=False``): a call past the first that
-  holds a value no earlier call has, other than a boolean or null, and that the conversation does not write ends
-  the turn and is dropped (as does a call still being written, at such a finished value). Asked "what is that
-  result plus 100?" after a tool returned 14, Qwen2.5-Coder-0.5B wrote ``add(14, 100)`` and then ``add(140, 100)``,
-  ``add(1400, 100)`` … to the cap, every call executed; now the turn holds the first;
 * **cap**: the turn holds ``max_calls`` calls.
 """
 from __future__ import annotations
@@ -63,14 +58,6 @@ def finished_values(partial: str) -> Iterator[Any]:
                 return
 
 
-def unwritten_new_value(call: dict, earlier: list[dict], grounding: Grounding) -> bool:
-    """Whether ``call`` holds a value no call of ``earlier`` has, other than a boolean or null, that ``grounding``
-    (the conversation) does not write."""
-    seen = _value_keys(earlier)
-    return any(_value_key(v) not in seen and v is not None and not isinstance(v, bool) and v not in grounding
-               for v in leaf_values(call.get("arguments")))
-
-
 def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> bool:
     """Whether ``call`` holds a value no call of ``earlier`` has that is not a boolean or null, and every value no
     earlier call has is in ``grounding``. The tool's name does not count: a call of another tool with values
@@ -94,34 +81,25 @@ class ParallelCallsEnd:
     Args:
         fmt: the tool format (its ``complete_calls`` / ``calls_text``).
         max_calls: the most calls the turn keeps.
-        context: the conversation's text (:func:`conversation_text`), so that a call past ``free_calls`` bringing
-            nothing new from it (``require_new``) or a value it does not write ends the turn; None: only the repeat
-            and the cap end it.
+        context: the conversation's text (:func:`conversation_text`) where the model's end is masked, so that a
+            call bringing nothing new from it ends the turn; None: only the repeat and the cap end it (the model
+            ends it otherwise).
         free_calls: the first calls kept whatever values they hold (the several-call layout asks for two).
-        require_new: where the model's end is masked, a call past ``free_calls`` must also bring a new value
-            (:func:`brings_new_values`); False: the model ends the turn, and only an unwritten new value ends it
-            (:func:`unwritten_new_value`).
     Attributes:
         text: the turn's text to keep once the rule fired (the calls before the one that ended it, or the first
             ``max_calls``, closed as the format needs); None while it has not.
     """
 
-    def __init__(self, fmt: ToolFormat, max_calls: int, *, context: str | None = None, free_calls: int = 2,
-                 require_new: bool = True):
-        self.fmt, self.max_calls, self.free_calls, self.require_new = fmt, max_calls, free_calls, require_new
+    def __init__(self, fmt: ToolFormat, max_calls: int, *, context: str | None = None, free_calls: int = 2):
+        self.fmt, self.max_calls, self.free_calls = fmt, max_calls, free_calls
         self.grounding = Grounding(context) if context is not None else None
         self.text: str | None = None
         self._ends: list[bool] = []  # per whole call so far: does it end the turn (memoised: checked every step)
         self._seen: list[dict] = []
 
     def _ends_turn(self, calls: list[dict], i: int) -> bool:
-        if calls[i] in calls[:i]:
-            return True
-        if self.grounding is None or i < self.free_calls:
-            return False
-        if self.require_new:
-            return not brings_new_values(calls[i], calls[:i], self.grounding)
-        return unwritten_new_value(calls[i], calls[:i], self.grounding)
+        return calls[i] in calls[:i] or (self.grounding is not None and i >= self.free_calls
+                                         and not brings_new_values(calls[i], calls[:i], self.grounding))
 
     def __call__(self, text: str) -> bool:
         found = self.fmt.complete_calls(text)
@@ -135,12 +113,10 @@ class ParallelCallsEnd:
             keep = self.max_calls
         if keep is None and self.grounding is not None and len(calls) >= max(self.free_calls, 1):
             # the call being written holds a finished value no earlier call has and the conversation does not
-            # write: whole, it would end the turn (brings_new_values / unwritten_new_value); end it now
+            # write: whole, it would end the turn (brings_new_values); end it now
             seen = _value_keys(calls)
             partial = text[found[-1][1]:] if found else text
-            if any(_value_key(v) not in seen and v not in self.grounding
-                   and (self.require_new or (v is not None and not isinstance(v, bool)))
-                   for v in finished_values(partial)):
+            if any(_value_key(v) not in seen and v not in self.grounding for v in finished_values(partial)):
                 keep = len(calls)
         if keep is None:
             return False

@@ -58,7 +58,7 @@ def record(args) -> None:
     # the end masked (the grammar asks for cap + 1 calls) and no new-values rule: only a repeat, the cap (8) or the
     # budget end the turn, so every rule simulated is a prefix of this output
     end_rule = agent.engine.ParallelCallsEnd
-    agent.engine.ParallelCallsEnd = lambda fmt, max_calls, **_: end_rule(fmt, max_calls, context=None)
+    agent.engine.ParallelCallsEnd = lambda fmt, max_calls, context=None: end_rule(fmt, max_calls, context=None)
     engine = LocalEngine(args.model, backend="llamacpp", threads=1)
     prompts = {}
     prepare = engine._prepare

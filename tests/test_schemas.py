@@ -163,8 +163,7 @@ def test_a_ref_that_admits_no_finite_value_is_refused_at_registration(strict):
     kept = [  # recursion with a way out: an optional property, a null alternative, an empty array
         {"$defs": {"N": node}, "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]},
         {"$defs": {"N": {**node, "required": ["next"], "properties": {
-            "next": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}}}},
-         "properties": {"v": {"$ref": "#/$defs/N"}}},
+            "next": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}}}}, "properties": {"v": {"$ref": "#/$defs/N"}}},
         {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
             "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}}}, "properties": {"t": {"$ref": "#/$defs/T"}}},
         {"properties": {"child": {"$ref": "#"}}},

@@ -156,9 +156,9 @@ def test_a_parallel_turn_ends_at_the_first_repeated_call_and_returns_each_call_o
 def test_a_parallel_turn_stops_at_the_call_cap(smol_dir, name):
     calls = [("get_weather", {"city": c, "unit": "celsius"}) for c in ("Oslo", "Rome", "Paris", "Bern")]
     fmt, gen = scripted(smol_dir, name, call_text(name, calls), None)
-    turn = LocalEngine(gen).turn([{"role": "user", "content": "Weather in Oslo, Rome, Paris and Bern?"}], [WEATHER],
-                                 "required", parallel_tool_calls=True,
-                                 config=EngineConfig(max_new_tokens=300, max_parallel_calls=2))
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required",
+                                 parallel_tool_calls=True, config=EngineConfig(max_new_tokens=300,
+                                                                              max_parallel_calls=2))
     assert [c["arguments"]["city"] for c in turn.calls] == ["Oslo", "Rome"] and turn.stop_reason == "stop"
 
 
@@ -168,15 +168,15 @@ def test_a_parallel_turn_cut_by_the_budget_returns_its_whole_calls_never_the_cut
     text = call_text(name, calls)
     fmt, gen = scripted(smol_dir, name, text, None)
     whole_two = len(gen.tokenizer.encode(call_text(name, calls[:2]), add_special_tokens=False))
-    engine, asked = LocalEngine(gen), "Weather in Oslo, Rome and Paris?"
-    turn = engine.turn([{"role": "user", "content": asked}], [WEATHER], "required", parallel_tool_calls=True,
+    engine = LocalEngine(gen)
+    turn = engine.turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required", parallel_tool_calls=True,
                        config=EngineConfig(max_new_tokens=whole_two + 6))
     assert turn.truncated and turn.calls == [{"name": "get_weather", "arguments": OSLO},
                                              {"name": "get_weather", "arguments": ROME}]
-    res = Agent(engine, [WEATHER]).run(asked, tool_choice="required", parallel_tool_calls=True,
+    res = Agent(engine, [WEATHER]).run("Weather?", tool_choice="required", parallel_tool_calls=True,
                                        max_new_tokens=whole_two + 6)
     assert res.truncated and [c.arguments["city"] for c in res.pending_calls] == ["Oslo", "Rome"]
-    turn = engine.turn([{"role": "user", "content": asked}], [WEATHER], "required", parallel_tool_calls=True,
+    turn = engine.turn([{"role": "user", "content": "Weather?"}], [WEATHER], "required", parallel_tool_calls=True,
                        config=EngineConfig(max_new_tokens=3))
     assert turn.truncated and turn.calls is None  # nothing whole yet: nothing returned
 
@@ -404,12 +404,7 @@ def test_several_calls_asked_for_end_at_the_first_call_past_the_second_with_noth
     three = turn("Weather in Oslo, Rome and Paris?")  # Paris is asked for: kept; the end stays masked after it
     assert [c["arguments"]["city"] for c in three.calls[:3]] == ["Oslo", "Rome", "Paris"]
     assert three.stop_reason != "eos"
-    # the model ends the turn (parallel_tool_calls not set): a call past the first with a value the conversation
-    # does not write ends it (Paris, unasked, dropped); asked for, Paris is kept and the model's end ends the turn
-    free = turn("Weather in Oslo and Rome?", parallel=None)
-    assert free.stop_reason == "stop" and [c["arguments"]["city"] for c in free.calls] == ["Oslo", "Rome"]
-    assert fmt.parse(free.text)[0] == free.calls
-    free = turn("Weather in Oslo, Rome and Paris?", parallel=None)
+    free = turn("Weather in Oslo and Rome?", parallel=None)  # the model ends the turn: the rule does not apply
     assert free.stop_reason == "eos" and [c["arguments"]["city"] for c in free.calls] == ["Oslo", "Rome", "Paris"]
 
 
@@ -455,8 +450,8 @@ def test_the_models_end_where_no_closing_validates_leaves_the_model_writing(smol
     valid one; the whole call before it is kept."""
     text = call_text("hermes", [("get_weather", OSLO)]) + "\n" + play_text("hermes", '{"rounds": 3')
     fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
-    turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo, then play 3 rounds."}], [WEATHER, PLAY],
-                                 "required", config=EngineConfig(drafter=drafter, max_new_tokens=120))
+    turn = LocalEngine(gen).turn([{"role": "user", "content": "Oslo, then play."}], [WEATHER, PLAY], "required",
+                                 config=EngineConfig(drafter=drafter, max_new_tokens=120))
     assert turn.stop_reason == "eos" and turn.stats.closed_at_end == 1, turn.text
     assert turn.text.startswith(text + ", ") and fmt.parse(turn.text)[0] == turn.calls
     assert turn.calls[0] == {"name": "get_weather", "arguments": OSLO}
