@@ -198,7 +198,7 @@ def _at_least(minimum: float, kind=int, strictly: bool = False):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
                 from None
-        if n < minimum or (strictly and n == minimum):
+        if n != n or n < minimum or (strictly and n == minimum):  # n != n: NaN (every request would time out)
             raise argparse.ArgumentTypeError(f"expected a number {'>' if strictly else '>='} {minimum}, got {text}")
         return n
     parse.__name__ = kind.__name__  # argparse's "invalid int value" wording where the parse fails

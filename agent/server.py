@@ -170,7 +170,7 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
                              ("max_body_bytes", max_body_bytes, 1), ("max_batch", max_batch, 1)):
         if value is not None and value < low:
             raise ValueError(f"{what} must be >= {low}, got {value}")
-    if request_timeout is not None and request_timeout <= 0:
+    if request_timeout is not None and not request_timeout > 0:  # NaN too
         raise ValueError(f"request_timeout must be > 0 seconds (None: no limit), got {request_timeout}")
     name = model_name or engine.name
     names = (name, "default")

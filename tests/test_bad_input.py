@@ -159,7 +159,8 @@ def test_cli_bad_grammar_bounds_fail_before_the_model_loads(capsys, flag, value,
                                                ("--max-body-bytes", "0", ">= 1"), ("--request-timeout", "0", "> 0"),
                                                ("--request-timeout", "-5", "> 0"), ("--drain-timeout", "x", "number"),
                                                ("--max-batch", "0", ">= 1"), ("--seq-ctx", "-2", ">= 1"),
-                                               ("--max-new-tokens", "0", ">= 1"), ("--ctx-size", "0", ">= 1")])
+                                               ("--max-new-tokens", "0", ">= 1"), ("--ctx-size", "0", ">= 1"),
+                                               ("--request-timeout", "nan", "> 0"), ("--drain-timeout", "nan", ">= 0")])
 def test_serve_limits_under_which_nothing_could_be_served_fail_before_the_model_loads(capsys, flag, value, text):
     """``--max-waiting -1`` answered every request 429, ``--max-body-bytes 0`` every one 413, ``--concurrency 0``
     failed naming ``max_workers``: now argparse names the flag (exit status 2) and the Python API raises."""
@@ -169,7 +170,8 @@ def test_serve_limits_under_which_nothing_could_be_served_fail_before_the_model_
     assert e.value.code == 2 and flag in err and text in err and "no-such-model" not in err
     from agent.server import create_app
 
-    for kwargs in ({"max_waiting": -1}, {"concurrency": 0}, {"max_body_bytes": 0}, {"request_timeout": 0}):
+    for kwargs in ({"max_waiting": -1}, {"concurrency": 0}, {"max_body_bytes": 0}, {"request_timeout": 0},
+                   {"request_timeout": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             create_app(object(), model_name="x", **kwargs)
 
