@@ -141,19 +141,26 @@ def check_valid(schema: Any, tool: str | None = None) -> None:
 
 
 def check_finite(schema: Any, tool: str | None = None) -> None:
-    """Raise :class:`SchemaError` where a local ``$ref`` describes no finite value: every value it admits must hold
-    itself again (``{"$defs": {"A": {"$ref": "#/$defs/A"}}}``, or an object whose required property refers back to
-    it). No value could be generated (llguidance fails at the first mask) or validated (jsonschema recurses
-    forever).
+    """Raise :class:`SchemaError` where a local ``$ref`` that the schema uses describes no finite value: every value
+    it admits must hold itself again (``{"$defs": {"A": {"$ref": "#/$defs/A"}}}`` used somewhere, or an object whose
+    required property refers back to it). No value could be generated (llguidance fails at the first mask) or
+    validated (jsonschema recurses forever).
 
     The check is a least fixpoint over the schema's local ``$ref`` targets (a context-free grammar's productive
     nonterminals): a target is finite once its own keywords can be met with finite values: ``allOf`` all,
-    ``anyOf``/``oneOf`` one, an object's ``required`` properties (where ``type`` is only ``"object"``), an array's
-    first ``minItems`` items (where ``type`` is only ``"array"``), and its own ``$ref``. Other keywords (types,
-    bounds) are taken as satisfiable: only cycles are found.
+    ``anyOf``/``oneOf`` one, an object's ``required`` properties (where ``type`` is only ``"object"``; a name not
+    under ``properties`` takes ``additionalProperties``), an array's first ``minItems`` items (where ``type`` is only
+    ``"array"``; ``prefixItems``, or draft-07's ``items`` list), and its own ``$ref``. Other keywords (types,
+    bounds, ``minProperties``) are taken as satisfiable: only cycles through those keywords are found; a cycle
+    needing others fails at the first mask instead (a 400 from the server: ``constraints.GrammarEngineError``).
+    Only ``$ref`` nodes reachable from the root count (an unused definition is never generated); a schema with a
+    nested ``$id`` (references resolved against another base) is not checked.
     """
+    nodes = list(walk(schema))
+    if any("$id" in node for path, node in nodes if path):
+        return
     refs: dict[str, Any] = {}
-    for _, node in walk(schema):
+    for _, node in nodes:
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#") and ref not in refs:
             target = resolve_local_ref(schema, ref)
@@ -177,13 +184,18 @@ def check_finite(schema: Any, tool: str | None = None) -> None:
         kind = node.get("type")
         kind = kind[0] if isinstance(kind, list) and len(kind) == 1 else kind
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        if kind == "object" and isinstance(node.get("required"), list):
-            if not all(ok(props[name]) for name in node["required"] if isinstance(name, str) and name in props):
-                return False
+        if kind == "object" and isinstance(node.get("required"), list) and "patternProperties" not in node:
+            extra = node.get("additionalProperties")
+            extra = extra if isinstance(extra, dict) else True  # false: no cycle (llguidance's own error)
+            for name in node["required"]:
+                if isinstance(name, str) and not ok(props[name] if name in props else extra):
+                    return False
         if kind == "array" and isinstance(node.get("minItems"), int) and node["minItems"] > 0:
-            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            prefix = node.get("prefixItems", node.get("items"))
+            prefix = prefix if isinstance(prefix, list) else []
             first = prefix[:node["minItems"]]
-            rest = node.get("items") if len(first) < node["minItems"] else None
+            rest = node.get("items") if len(first) < node["minItems"] and isinstance(node.get("items"), dict) \
+                else None
             if not all(ok(s) for s in first) or (rest is not None and not ok(rest)):
                 return False
         return True
@@ -195,14 +207,27 @@ def check_finite(schema: Any, tool: str | None = None) -> None:
             if ref not in finite and ok(target):
                 finite.add(ref)
                 changed = True
-    for path, node in walk(schema):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref in refs and ref not in finite:
-            pointer = json_pointer(path + ("$ref",))
-            raise SchemaError(f"$ref {ref!r} at {pointer} admits no finite value: it leads to false, or back to "
-                              f"itself with no way out (every value it describes would hold itself again); make a "
-                              f"property on the cycle optional or add an alternative (anyOf with a null)",
-                              pointer=pointer, keyword="$ref", tool=tool)
+    if len(finite) == len(refs):
+        return
+    # the $ref nodes the schema uses: reachable from the root, definitions entered through a $ref only
+    paths = {id(node): path for path, node in nodes}
+    seen: set[int] = set()
+    todo = [((), schema)]
+    while todo:
+        base, start = todo.pop()
+        if not isinstance(start, dict) or id(start) in seen:
+            continue
+        seen.add(id(start))
+        for path, node in walk(start, base, skip=frozenset({"$defs", "definitions"})):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref in refs:
+                if ref not in finite:
+                    pointer = json_pointer(path + ("$ref",))
+                    raise SchemaError(f"$ref {ref!r} at {pointer} admits no finite value: it leads to false, or back "
+                                      f"to itself with no way out (every value it describes would hold itself "
+                                      f"again); make a property on the cycle optional or add an alternative (anyOf "
+                                      f"with a null)", pointer=pointer, keyword="$ref", tool=tool)
+                todo.append((paths.get(id(refs[ref]), ()), refs[ref]))
 
 
 MISSING = object()

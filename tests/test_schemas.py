@@ -144,32 +144,45 @@ def test_a_ref_that_admits_no_finite_value_is_refused_at_registration(strict):
     """llguidance failed at the first mask ("NoExtensionBias", "Too many items": a 500 from the server) and
     jsonschema recursed forever: now a SchemaError naming the $ref."""
     node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}
-    refused = {
-        "/$defs/A/$ref": {"$defs": {"A": {"$ref": "#/$defs/A"}}, "properties": {"v": {"$ref": "#/$defs/A"}}},
-        "/$defs/A/$ref ": {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
-                           "properties": {"v": {"$ref": "#/$defs/A"}}},
-        "/$defs/A/allOf/0/$ref": {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}]}},
-                                  "properties": {"v": {"$ref": "#/$defs/A"}}},
-        "/$defs/N/properties/next/$ref": {"$defs": {"N": {**node, "required": ["next"]}},
-                                          "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]},
-        "/$defs/T/properties/kids/items/$ref": {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
+    loop = {"type": "object", "required": ["a"], "additionalProperties": {"$ref": "#/$defs/L"}}
+    refused = [  # (the first $ref the schema uses that admits no finite value, schema)
+        ("/properties/v/$ref", {"$defs": {"A": {"$ref": "#/$defs/A"}}, "properties": {"v": {"$ref": "#/$defs/A"}}}),
+        ("/properties/v/$ref", {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}},
+                                "properties": {"v": {"$ref": "#/$defs/A"}}}),
+        ("/properties/v/$ref", {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}]}},
+                                "properties": {"v": {"$ref": "#/$defs/A"}}}),
+        ("/properties/v/$ref", {"$defs": {"N": {**node, "required": ["next"]}},
+                                "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]}),
+        ("/properties/t/$ref", {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
             "kids": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/T"}}}}},
-            "properties": {"t": {"$ref": "#/$defs/T"}}},
-    }
-    for pointer, schema in refused.items():
+            "properties": {"t": {"$ref": "#/$defs/T"}}}),
+        ("/properties/t/$ref", {"$defs": {"L": loop}, "properties": {"t": {"$ref": "#/$defs/L"}}}),  # a second helper's
+        ("/properties/t/$ref", {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"T": {
+            "type": "array", "minItems": 1, "items": [{"$ref": "#/definitions/T"}]}},
+            "properties": {"t": {"$ref": "#/definitions/T"}}}),
+        ("/$defs/A/properties/b/$ref", {"$defs": {
+            "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}}, "B": {"$ref": "#/$defs/B"}},
+            "properties": {"a": {"$ref": "#/$defs/A"}}}),
+    ]
+    for pointer, schema in refused:
         with pytest.raises(SchemaError, match="admits no finite value") as e:
             Tool.from_schema("f", {"type": "object", **schema}, strict=strict)
-        assert e.value.keyword == "$ref" and e.value.pointer == pointer.strip()
+        assert e.value.keyword == "$ref" and e.value.pointer == pointer
     kept = [  # recursion with a way out: an optional property, a null alternative, an empty array
         {"$defs": {"N": node}, "properties": {"v": {"$ref": "#/$defs/N"}}, "required": ["v"]},
         {"$defs": {"N": {**node, "required": ["next"], "properties": {
-            "next": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}}}}, "properties": {"v": {"$ref": "#/$defs/N"}}},
+            "next": {"anyOf": [{"$ref": "#/$defs/N"}, {"type": "null"}]}}}},
+         "properties": {"v": {"$ref": "#/$defs/N"}}},
         {"$defs": {"T": {"type": "object", "required": ["kids"], "properties": {
             "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}}}, "properties": {"t": {"$ref": "#/$defs/T"}}},
         {"properties": {"child": {"$ref": "#"}}},
+        {"properties": {"a": {"type": "string"}}, "$defs": {"Loop": {"$ref": "#/$defs/Loop"}}},  # never used
+        {"required": ["x"], "properties": {"x": {"$ref": "#/$defs/T"}}, "$defs": {"T": {  # resolved in a nested $id
+            "$id": "https://example.com/inner", "type": "object", "required": ["t"],
+            "properties": {"t": {"$ref": "#/$defs/T"}}, "$defs": {"T": {"type": "string"}}}}},
     ]
     for schema, value in zip(kept, ({"v": {"next": {}}}, {"v": {"next": None}}, {"t": {"kids": [{"kids": []}]}},
-                                     {"child": {"child": {}}})):
+                                     {"child": {"child": {}}}, {"a": "x"}, {"x": {"t": "s"}})):
         Tool.from_schema("f", {"type": "object", **schema}, strict=strict).validate(value)
 
 
