@@ -239,15 +239,33 @@ class ToolFormat:
         """Apply the chat template and tokenize: only the template's own markers become special tokens.
 
         Message content is tokenized as plain text, so a user or tool result that contains ``<|im_end|>`` (or any
-        added token's text) cannot forge a control token. ``format_suffix``: ``(i, text)`` where message ``i``'s
-        content ends with ``text`` written by the format itself (not the user: hermes' example of several calls),
-        whose markers are control tokens like the template's own.
+        added token's text) cannot forge a control token; so is every string the template writes as JSON (a call's
+        arguments in the history, a tool's description or enum values) that holds an added token's text.
+        ``format_suffix``: ``(i, text)`` where message ``i``'s content ends with ``text`` written by the format
+        itself (not the user: hermes' example of several calls), whose markers are control tokens like the
+        template's own.
         """
         tok = self.tokenizer
         kwargs = dict(add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, **template_kwargs)
         added = [t for t in tok.get_added_vocab()]
-        if format_suffix is None and not any(isinstance(m.get("content"), str) and any(a in m["content"] for a in added)
-                                             for m in chat):
+        strings: dict[str, str] = {}  # placeholder -> a JSON string's body as the template's tojson writes it
+
+        def mask(value: Any) -> Any:  # JSON values the template writes with tojson: risky strings as placeholders
+            if isinstance(value, dict):
+                return {k: mask(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [mask(v) for v in value]
+            if isinstance(value, str) and any(a in value for a in added):
+                key = f"\ue002{len(strings)}\ue003"
+                strings[key] = json.dumps(value, ensure_ascii=False)[1:-1]
+                return key
+            return value
+
+        chat = [{**m, "tool_calls": mask(m["tool_calls"])} if m.get("tool_calls") else m for m in chat]
+        if "tools" in kwargs:
+            kwargs["tools"] = mask(kwargs["tools"])
+        if format_suffix is None and not strings and not any(
+                isinstance(m.get("content"), str) and any(a in m["content"] for a in added) for m in chat):
             return tok.encode(tok.apply_chat_template(chat, **kwargs), add_special_tokens=False)
         contents: dict[str, str] = {}
         masked = []
@@ -257,15 +275,22 @@ class ToolFormat:
                 contents[key] = m["content"]
                 m = {**m, "content": key}
             masked.append(m)
+        text = tok.apply_chat_template(masked, **kwargs)
+        missing = [k for k in strings if k not in text]
+        if missing:  # the template wrote a placeholder otherwise than as tojson does (escaped): refuse, never guess
+            raise ValueError("the chat template rewrites tool-call arguments or tool definitions, so a string "
+                             "holding a special token's text cannot be kept plain text; remove it")
         plain = plain_text_encoder(tok)  # a private tokenizer copy: thread-safe plain-text encoding
         suffix_key, suffix = (f"\ue000{format_suffix[0]}\ue001", format_suffix[1]) if format_suffix else (None, "")
         ids: list[int] = []
-        for piece in re.split("(\ue000\\d+\ue001)", tok.apply_chat_template(masked, **kwargs)):
+        for piece in re.split("(\ue000\\d+\ue001|\ue002\\d+\ue003)", text):
             if piece == suffix_key and contents[piece].endswith(suffix):
-                text = contents[piece][:len(contents[piece]) - len(suffix)]
-                ids += (plain(text) if text else []) + tok.encode(suffix, add_special_tokens=False)
+                body = contents[piece][:len(contents[piece]) - len(suffix)]
+                ids += (plain(body) if body else []) + tok.encode(suffix, add_special_tokens=False)
             elif piece in contents:
                 ids += plain(contents[piece])
+            elif piece in strings:
+                ids += plain(strings[piece])
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)
         return ids
