@@ -276,9 +276,8 @@ class ToolFormat:
                 m = {**m, "content": key}
             masked.append(m)
         text = tok.apply_chat_template(masked, **kwargs)
-        missing = [k for k in strings if k not in text]
-        if missing:  # the template wrote a placeholder otherwise than as tojson does (escaped): refuse, never guess
-            raise ValueError("the chat template rewrites tool-call arguments or tool definitions, so a string "
+        if any(k not in text and json.dumps(k)[1:-1] in text for k in strings):  # written escaped: never guess
+            raise ValueError("the chat template escapes tool-call arguments or tool definitions, so a string "
                              "holding a special token's text cannot be kept plain text; remove it")
         plain = plain_text_encoder(tok)  # a private tokenizer copy: thread-safe plain-text encoding
         suffix_key, suffix = (f"\ue000{format_suffix[0]}\ue001", format_suffix[1]) if format_suffix else (None, "")
