@@ -256,7 +256,7 @@ class ToolFormat:
             if isinstance(value, list):
                 return [mask(v) for v in value]
             if isinstance(value, str) and any(a in value for a in added):
-                key = f"\ue002{len(strings)}\ue003"
+                key = f"\ue000j{len(strings)}\ue001"
                 strings[key] = json.dumps(value, ensure_ascii=False)[1:-1]
                 return key
             return value
@@ -267,7 +267,7 @@ class ToolFormat:
         if format_suffix is None and not strings and not any(
                 isinstance(m.get("content"), str) and any(a in m["content"] for a in added) for m in chat):
             return tok.encode(tok.apply_chat_template(chat, **kwargs), add_special_tokens=False)
-        contents: dict[str, str] = {}
+        contents: dict[str, str] = dict(strings)  # placeholder -> plain text: message contents and JSON strings
         masked = []
         for i, m in enumerate(chat):
             if isinstance(m.get("content"), str) and m["content"]:
@@ -282,14 +282,12 @@ class ToolFormat:
         plain = plain_text_encoder(tok)  # a private tokenizer copy: thread-safe plain-text encoding
         suffix_key, suffix = (f"\ue000{format_suffix[0]}\ue001", format_suffix[1]) if format_suffix else (None, "")
         ids: list[int] = []
-        for piece in re.split("(\ue000\\d+\ue001|\ue002\\d+\ue003)", text):
+        for piece in re.split("(\ue000j?\\d+\ue001)", text):
             if piece == suffix_key and contents[piece].endswith(suffix):
                 body = contents[piece][:len(contents[piece]) - len(suffix)]
                 ids += (plain(body) if body else []) + tok.encode(suffix, add_special_tokens=False)
             elif piece in contents:
                 ids += plain(contents[piece])
-            elif piece in strings:
-                ids += plain(strings[piece])
             elif piece:
                 ids += tok.encode(piece, add_special_tokens=False)
         return ids

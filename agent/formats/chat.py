@@ -2,8 +2,9 @@
 
 A string such as ``<|im_end|>``, ``<|im_start|>system`` or ``<tool_call>`` (any added token's text) inside a user
 message, a tool result, a call's arguments in the history or a tool description stays text: only the chat
-template's own structure yields control tokens, so a tool result cannot open a new turn. :func:`encode_template_chat` does this for a whole rendered chat (the template applied once with marked
-content, then split); ``ToolFormat.encode_chat`` does it for the formats that pass ``tools=`` to the template.
+template's own structure yields control tokens, so a tool result cannot open a new turn. :func:`encode_template_chat`
+does this for a whole rendered chat (the template applied once with marked content, then split);
+``ToolFormat.encode_chat`` does it for the formats that pass ``tools=`` to the template.
 """
 from __future__ import annotations
 
