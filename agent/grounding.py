@@ -27,8 +27,9 @@ from typing import Any, Iterable, Iterator
 
 from schemas import Tool, ToolCallError
 
-# a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers), 0.5, .5, 1e-05
-_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+# a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers; a comma
+# after the last group is punctuation: "$400,000, with" is 400000), 0.5, .5, 1e-05
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 _WORD = re.compile(r"\w+")
 # numbers people write as words (cardinals and ordinals): "two dice", "the third page"
 _NUMBER_WORDS = {w: i for i, w in enumerate(

@@ -25,6 +25,8 @@ def test_mentions_reads_words_numbers_and_scripts_without_spaces():
     assert 0.95 in g and 95 in g and 0.05 in g and 0.5 not in g
     g = Grounding("Roll two dice and show the third page")
     assert 2 in g and 3 in g and 4 not in g
+    g = Grounding("a loan of $400,000, at 4%; 1,234,5 and 12,345,678, then 7")  # a comma after a group ends it
+    assert {400000, 1, 234, 5, 12345678, 7} <= g.numbers and 400 not in g and 1234 not in g
 
 
 def test_number_words_that_run_together_write_one_number():
