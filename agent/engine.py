@@ -22,7 +22,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .grounding import Grounding, conversation_text, takes_from_conversation, without_unwritten_optional
+from .grounding import (Grounding, conversation_text, run_together_prefixes, takes_from_conversation,
+                        without_unwritten_optional)
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
@@ -58,8 +59,10 @@ class EngineConfig:
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
         grounding: judge calls by where their values come from (``agent.grounding``; :meth:`LocalEngine.turn`):
             optional arguments the conversation does not write are dropped, and a turn whose calls take nothing
-            from the conversation is decoded again without those tools. On by default; False returns the calls as
-            the grammar-constrained decode wrote them.
+            from the conversation is decoded again without those tools; and no integer argument starts by running
+            two numbers the conversation writes side by side together ("5,10" → ``510``: the grammar takes out
+            the prefix ``51``, ``agent.grounding.run_together_prefixes``). On by default; False returns the calls
+            as the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
             is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish) and the
@@ -419,6 +422,8 @@ class LocalEngine:
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
                                            lenient_answer=not strict, max_string_length=config.max_string_length,
                                            max_decimals=config.max_decimals, max_items=config.max_items,
+                                           excluded_integer_prefixes=run_together_prefixes(
+                                               conversation_text(messages)) if config.grounding else frozenset(),
                                            after_results=messages[-1]["role"] == "tool",
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls

@@ -167,6 +167,32 @@ class Grounding:
         return False
 
 
+# what separates the items of a list of numbers: "5,10", "15, 20 and 30", "1980 and 2016", "2/3", "4 or 5"
+_LIST_GAP = re.compile(r"\s*(?:[,;/&]\s*(?:(?:and|or)\s+)?|(?:and|or)\s+)", re.IGNORECASE)
+
+
+def run_together_prefixes(text: str) -> frozenset[str]:
+    """Where two integers ``text`` writes side by side (a list separator between them: ``,`` ``;`` ``/`` ``&``,
+    "and", "or") would run together: the first one's digits and the second one's first digit (``"5,10 and 15"``
+    → ``{"51", "101"}``), less any prefix that a number the text writes itself starts with. The engine keeps
+    integers from starting so (``schemas.narrow.integers_without_prefixes``): Qwen2.5-Coder-0.5B wrote ``510``,
+    ``15`` and ``1520`` for "5,10 and 15", "1,5 and 10" and "15, 20 and 30" (dev split, docs/benchmarks.md
+    "Numbers written side by side"). Numbers with a fraction or exponent, and negative ones, start no prefix."""
+    found = [m for m in _NUMBER.finditer(text)]
+    written = {m.group().replace(",", "").lstrip("-") for m in found}
+    prefixes = set()
+    for a, b in zip(found, found[1:]):
+        first, second = a.group().replace(",", ""), b.group()
+        if not first.isdigit() or first.startswith("0") or not second[:1].isdigit():
+            continue
+        if not _LIST_GAP.fullmatch(text, a.end(), b.start()):
+            continue
+        p = first + second[0]
+        if not any(w.startswith(p) for w in written):
+            prefixes.add(p)
+    return frozenset(prefixes)
+
+
 def number_key(x: int | float) -> int | float:
     """A number as one key whatever its JSON spelling (``1`` and ``1.0`` alike); integers beyond a float's range
     stay exact integers."""

@@ -1,6 +1,7 @@
 """Narrowing a JSON Schema for the grammar: a copy whose language is a subset of the original's, so every output
 the grammar allows still validates against the original schema (validation always uses the original): closed
-objects, bounded scalars and arrays, calendar-valid dates, date/time formats stated in descriptions.
+objects, bounded scalars and arrays, calendar-valid dates, date/time formats stated in descriptions, integers that
+start with none of a set of digit prefixes.
 
 These are pure JSON Schema → JSON Schema transformations, so they live in ``schemas/`` (no grammar engine needed).
 The grammar may enforce a *subset* of what a schema allows, but it must never turn a satisfiable schema into an
@@ -387,6 +388,77 @@ def bound_integers(schema: Any) -> Any:
     return schema
 
 
+def _allowed_intervals(lo: int, hi: int, prefixes: frozenset[str]) -> list[tuple[int, int]]:
+    """The intervals of ``lo … hi`` (inclusive integers) left once every non-negative integer whose decimal digits
+    start with one of ``prefixes`` is taken out, in order, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+
+    def keep(a: int, b: int) -> None:
+        a, b = max(a, lo), min(b, hi)
+        if a > b:
+            return
+        if out and out[-1][1] + 1 >= a:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+
+    keep(lo, -1)  # negative integers start with "-": no prefix applies
+    width = max(len(str(max(hi, 0))), max((len(p) for p in prefixes), default=1))
+    for length in range(1, width + 1):  # the integers of each digit count, less the blocks the prefixes start
+        first, last = (0 if length == 1 else 10 ** (length - 1)), 10 ** length - 1
+        if first > hi or last < max(lo, 0):
+            continue
+        x = first
+        for p in sorted(p for p in prefixes if len(p) <= length):
+            start = int(p) * 10 ** (length - len(p))
+            if start > x:
+                keep(x, start - 1)
+            x = max(x, start + 10 ** (length - len(p)))
+        if x <= last:
+            keep(x, last)
+    return out
+
+
+def integers_without_prefixes(schema: Any, prefixes: frozenset[str] | set[str]) -> Any:
+    """A copy of ``schema`` where each integer admits no non-negative value whose decimal digits start with one of
+    ``prefixes`` (digit strings, such as ``"51"``), for the grammar only: an ``anyOf`` of the ``minimum``/``maximum``
+    intervals left is added beside the integer's own keywords. The engine passes the prefixes of two numbers a
+    conversation writes side by side run together (``agent.grounding.run_together_prefixes``: "5,10" → ``"51"``),
+    so a small model cannot write ``510`` for "the factorial of 5,10 and 15" (seen on Qwen2.5-Coder-0.5B, dev
+    split: docs/benchmarks.md "Numbers written side by side").
+
+    Applies only to integers bounded on both sides (as :func:`bound_integers` leaves every integer) that carry no
+    ``enum``, ``const``, ``multipleOf`` or combinator of their own, that are not under ``not``, ``if`` or ``oneOf``
+    (:func:`narrowable_nodes`), and whose range holds a taken-out value and keeps another. Returned as is when
+    nothing applies."""
+    prefixes = frozenset(p for p in prefixes if p.isdigit() and not p.startswith("0"))
+    if not prefixes:
+        return schema
+
+    def intervals(node: Any) -> list[tuple[int, int]] | None:
+        if not isinstance(node, dict) or node.get("type") != "integer" or any(
+                k in node for k in ("enum", "const", "multipleOf", *_COMBINATORS, "not")):
+            return None
+        lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
+        if lo is None or hi is None:
+            return None
+        a = _ceil(lo[0]) + (1 if lo[1] and lo[0] == _ceil(lo[0]) else 0)
+        b = _floor(hi[0]) - (1 if hi[1] and hi[0] == _floor(hi[0]) else 0)
+        if a > b:
+            return None
+        left = _allowed_intervals(a, b, prefixes)
+        return left if left and left != [(a, b)] else None
+
+    if not any(intervals(node) for node in narrowable_nodes(schema)):
+        return schema
+    schema = copy.deepcopy(schema)
+    for node in narrowable_nodes(schema):
+        left = intervals(node)
+        if left:
+            node["anyOf"] = [{"minimum": a, "maximum": b} for a, b in left]
+    return schema
+
+
 def bound_arrays(schema: Any, max_items: int) -> Any:
     """A copy of ``schema`` where each array with no ``maxItems`` (and no ``enum``/``const``) takes
     ``maxItems: max_items`` for the grammar only, so a small model cannot run away inside a list (seen on
@@ -434,13 +506,17 @@ def bound_arrays(schema: Any, max_items: int) -> Any:
 # -- the grammar's schema ------------------------------------------------------------------------------------------
 def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length: int | None = None,
                        max_decimals: int | None = None, max_items: int | None = None,
+                       excluded_integer_prefixes: frozenset[str] = frozenset(),
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
-    """The schema the grammar enforces for ``schema``: integers kept to JSON's exact range (:func:`bound_integers`),
-    closed objects, date/time formats its descriptions state (:func:`stated_formats`), then bounded scalars
-    and arrays (when asked: :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing
-    narrows the whole (:func:`narrowable_nodes`).
+    """The schema the grammar enforces for ``schema``: integers kept to JSON's exact range (:func:`bound_integers`)
+    and, when asked, to no excluded prefix (:func:`integers_without_prefixes`), closed objects, date/time formats
+    its descriptions state (:func:`stated_formats`), then bounded scalars and arrays (when asked:
+    :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing narrows the whole
+    (:func:`narrowable_nodes`).
 
     Args:
+        excluded_integer_prefixes: digit strings no non-negative integer may start with
+            (:func:`integers_without_prefixes`, right after :func:`bound_integers`); empty: none.
         compiles: ``compiles(schema, lenient) -> bool`` from the grammar engine (``constraints.schema_compiles``).
             Each narrowing step is then kept only when its result compiles (llguidance finds an unsatisfiable
             schema at compile time), so a schema that registered always decodes: a step that would not compile is
@@ -450,6 +526,8 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
     # integers first: a large one-sided integer bound compiles only once bound_integers gives it its other bound
     # (a step is kept only where its result compiles), so the steps after it can narrow that schema too
     steps = [bound_integers, close_objects, stated_formats]
+    if excluded_integer_prefixes:
+        steps.insert(1, functools.partial(integers_without_prefixes, prefixes=excluded_integer_prefixes))
     if max_string_length is not None or max_decimals is not None:
         steps.append(functools.partial(bound_scalars, max_string_length=max_string_length, max_decimals=max_decimals))
     if max_items is not None:

@@ -71,12 +71,14 @@ class ToolRegistry:
 
 
 def call_schema(tools: Iterable[Tool], *, max_string_length: int | None = None, max_decimals: int | None = None,
-                max_items: int | None = None, compiles: Callable[[Any, bool], bool] | None = None) -> dict:
+                max_items: int | None = None, excluded_integer_prefixes: frozenset[str] = frozenset(),
+                compiles: Callable[[Any, bool], bool] | None = None) -> dict:
     """JSON Schema of one tool call ``{"name": <const>, "arguments": <that tool's schema>}``.
 
     One ``anyOf`` branch per tool: the name (a ``const``) selects the arguments schema, narrowed for the grammar
     by :func:`schemas.narrow.narrow_for_grammar` (closed objects; with ``max_string_length`` / ``max_decimals``,
-    bounded scalars; with ``max_items``, bounded arrays); with the grammar engine's ``compiles`` check, a narrowing that would leave a tool's schema
+    bounded scalars; with ``max_items``, bounded arrays; with ``excluded_integer_prefixes``, integers that start
+    with none of them); with the grammar engine's ``compiles`` check, a narrowing that would leave a tool's schema
     uncompilable is dropped for that tool, so one tool never breaks another. A tool schema that uses local ``$ref`` is moved under ``$defs`` with its references
     rewritten, so pointers still resolve.
     """
@@ -87,7 +89,8 @@ def call_schema(tools: Iterable[Tool], *, max_string_length: int | None = None, 
     branches = []
     for i, tool in enumerate(tools):
         params = narrow_for_grammar(tool.parameters, lenient=not tool.strict, max_string_length=max_string_length,
-                                    max_decimals=max_decimals, max_items=max_items, compiles=compiles)
+                                    max_decimals=max_decimals, max_items=max_items,
+                                    excluded_integer_prefixes=excluded_integer_prefixes, compiles=compiles)
         if _has_local_ref(params):
             key = f"tool{i}"
             defs[key] = _rewrite_refs(copy.deepcopy(params), f"#/$defs/{key}")

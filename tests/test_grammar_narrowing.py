@@ -470,3 +470,35 @@ def test_counts_written_as_integral_numbers_compile_and_bound(llt, smol_tokenize
     assert accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2, 3], "s": "ab"}))
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2]}))
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"a": [1, 2, 3], "s": "abc"}))
+
+
+# -- integers that would run two numbers of the conversation together ---------------------------------------------
+def test_integers_take_out_the_prefixes_of_numbers_run_together(llt, smol_tokenizer):
+    """"the factorial of 5,10 and 15": ``51`` and ``101`` start no integer (Qwen2.5-Coder-0.5B wrote 510); every
+    other integer, negative ones and the schema's own bounds as before; a value the grammar takes validates."""
+    from agent.formats.generic import GenericFormat
+    from agent.grounding import run_together_prefixes
+    from schemas.narrow import integers_without_prefixes
+
+    schema = {"type": "object", "properties": {"number": {"type": "integer"}, "small": {"type": "integer",
+              "minimum": 0, "maximum": 60}, "pick": {"type": "integer", "enum": [510, 5]}}, "required": ["number"]}
+    tool = tools_of(Tool.from_schema("fact", schema))
+    prefixes = run_together_prefixes("Find the factorial of 5,10 and 15.")
+    assert prefixes == {"51", "101"}
+    grammar = GenericFormat(None).turn_grammar(tool, "required", excluded_integer_prefixes=prefixes)
+    plain = GenericFormat(None).turn_grammar(tool, "required")
+    for n in (5, 10, 15, 50, 52, 100, 102, 509, 520, 5000, -51, 0, 10 ** 15):
+        assert accepts(llt, smol_tokenizer, grammar, call("fact", {"number": n})), n
+    for n in (51, 510, 515, 1015, 5100, 51 * 10 ** 12):
+        assert not accepts(llt, smol_tokenizer, grammar, call("fact", {"number": n})), n
+        assert accepts(llt, smol_tokenizer, plain, call("fact", {"number": n})), n
+    assert accepts(llt, smol_tokenizer, grammar, call("fact", {"number": 5, "small": 50}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("fact", {"number": 5, "small": 51}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("fact", {"number": 5, "small": 61}))  # its own bound
+    assert accepts(llt, smol_tokenizer, grammar, call("fact", {"number": 5, "pick": 510}))  # an enum: left alone
+    # the schema is only narrowed where a taken-out value lies in an integer's range and another value is left
+    assert integers_without_prefixes({"type": "integer", "minimum": 0, "maximum": 9}, {"51"}) == \
+        {"type": "integer", "minimum": 0, "maximum": 9}
+    assert "anyOf" not in integers_without_prefixes({"type": "integer", "minimum": 51, "maximum": 51}, {"51"})
+    assert integers_without_prefixes({"type": "integer", "minimum": 40, "maximum": 600}, {"51"})["anyOf"] == [
+        {"minimum": 40, "maximum": 50}, {"minimum": 52, "maximum": 509}, {"minimum": 520, "maximum": 600}]

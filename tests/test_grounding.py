@@ -238,3 +238,19 @@ def test_an_argument_required_only_inside_allof_is_never_dropped(smol_dir):
     _, gen = scripted(smol_dir, "hermes", call_text("hermes", [("trip", {"city": "Lima", "days": 6})]), "<|im_end|>")
     res = Agent(gen, [trip]).run("Plan a trip.", tool_choice="required", max_steps=1)
     assert res.pending_calls[0].arguments == {"city": "Lima", "days": 6}
+
+
+def test_numbers_written_side_by_side_give_the_prefixes_they_would_run_together_into():
+    from agent.grounding import run_together_prefixes
+
+    assert run_together_prefixes("Find the factorial of 5,10 and 15.") == {"51", "101"}
+    assert run_together_prefixes("for 1,5 and 10 years") == {"15", "51"}
+    assert run_together_prefixes("a loan of $400,000, with a term of 15, 20 and 30 years") == {"152", "203"}
+    assert run_together_prefixes("in 1980 and 2016, and 1975 or 2011") == {"19802", "20161", "19752"}
+    assert run_together_prefixes("rooms 12/13; floors 3 & 4") == {"121", "34"}
+    # no list between them, a fraction, a sign, a leading zero: nothing runs together
+    for text in ("from 5 to 10", "at 7:30 pm", "numbers 3 4", "0.5, 1.5 and 2", "5 and -3", "07, 08"):
+        assert run_together_prefixes(text) == set(), text
+    assert run_together_prefixes("5, 10.5") == {"51"}  # the first number whole, the second's first digit
+    # a prefix that a number the text writes starts with is no run: "51" is written here
+    assert run_together_prefixes("5, 10 and 51") == {"105"}

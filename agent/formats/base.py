@@ -71,7 +71,8 @@ class ToolFormat:
 
     def turn_grammar(self, tools: list[Tool], tool_choice: str = "auto", *, parallel: bool | None = None,
                      response_format: dict | None = None, max_string_length: int | None = None,
-                     max_decimals: int | None = None, max_items: int | None = None, after_results: bool = False,
+                     max_decimals: int | None = None, max_items: int | None = None,
+                     excluded_integer_prefixes: frozenset[str] = frozenset(), after_results: bool = False,
                      lenient_answer: bool = False, min_calls: int = 2,
                      answer_opens_no_call: bool | None = None,
                      answer_excludes: tuple[str, ...] = ()) -> Grammar:
@@ -85,6 +86,9 @@ class ToolFormat:
             response_format: JSON Schema of the final answer (replaces free text).
             max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``).
             max_items: grammar-only cap on the items of unbounded arrays (see ``bound_arrays``).
+            excluded_integer_prefixes: digit strings no non-negative integer argument may start with (see
+                ``schemas.narrow.integers_without_prefixes``; the engine passes
+                ``agent.grounding.run_together_prefixes`` of the conversation).
             after_results: the turn follows tool results (a format may narrow the call layouts it accepts).
             lenient_answer: ``response_format`` is not strict (``"strict": false``): keywords the grammar cannot
                 enforce are relaxed, and the caller validates the answer.
@@ -107,6 +111,7 @@ class ToolFormat:
         if tool_choice != "none" and tools:
             schema = self.call_object_schema(call_schema(tools, max_string_length=max_string_length,
                                                          max_decimals=max_decimals, max_items=max_items,
+                                                         excluded_integer_prefixes=excluded_integer_prefixes,
                                                          compiles=schema_compiles))
             lenient = any(not t.strict for t in tools)
             rules.append(f"call: {lark_json(schema, separators=SEPARATORS, lenient=lenient)}")
