@@ -178,7 +178,7 @@ def run_together_prefixes(text: str) -> frozenset[str]:
     integers from starting so (``schemas.narrow.integers_without_prefixes``): Qwen2.5-Coder-0.5B wrote ``510``,
     ``15`` and ``1520`` for "5,10 and 15", "1,5 and 10" and "15, 20 and 30" (dev split, docs/benchmarks.md
     "Numbers written side by side"). Numbers with a fraction or exponent, and negative ones, start no prefix."""
-    found = [m for m in _NUMBER.finditer(text)]
+    found = list(_NUMBER.finditer(text))
     written = {m.group().replace(",", "").lstrip("-") for m in found}
     prefixes = set()
     for a, b in zip(found, found[1:]):
