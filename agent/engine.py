@@ -22,8 +22,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .grounding import (Grounding, conversation_text, run_together_prefixes, takes_from_conversation,
-                        without_unwritten_optional)
+from .grounding import (Grounding, conversation_text, run_together_prefixes, runs_numbers_together,
+                        takes_from_conversation, without_unwritten_optional)
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
@@ -59,10 +59,11 @@ class EngineConfig:
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
         grounding: judge calls by where their values come from (``agent.grounding``; :meth:`LocalEngine.turn`):
             optional arguments the conversation does not write are dropped, and a turn whose calls take nothing
-            from the conversation is decoded again without those tools; and no integer argument starts by running
-            two numbers the conversation writes side by side together ("5,10" → ``510``: the grammar takes out
-            the prefix ``51``, ``agent.grounding.run_together_prefixes``). On by default; False returns the calls
-            as the grammar-constrained decode wrote them.
+            from the conversation is decoded again without those tools; and a turn whose call runs the items of
+            a list of numbers the conversation writes together ("5,10 and 15" → ``510``:
+            ``agent.grounding.runs_numbers_together``) is decoded again with integers starting so (``51``,
+            ``101``) taken out of the grammar. On by default; False returns the calls as the
+            grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
             is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish) and the
@@ -282,12 +283,27 @@ class LocalEngine:
         (``agent.grounding``): a turn none of whose calls takes a value from the conversation is decoded again
         with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
         text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
-        no retry takes from the conversation), and optional arguments holding values the conversation does not
-        write are dropped. ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
+        no retry takes from the conversation), optional arguments holding values the conversation does not
+        write are dropped, and a turn that runs the items of a written list of numbers together (``510`` for
+        "5,10 and 15") is decoded again with such integers taken out of the grammar. ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
         ``on_text`` sees every decode's text, a discarded call's too.
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        prefixes: frozenset[str] = frozenset()  # integer prefixes taken out of every later decode's grammar
+        if config.grounding and out.calls and runs_numbers_together(out.calls, text := conversation_text(messages)):
+            # a call copied a list's digits on past the item it meant ("5,10" → 510): decoded again with integers
+            # that would run two items together taken out of the grammar; the first decode stands if that one is
+            # cut by the budget where the first was not
+            prefixes = run_together_prefixes(text)
+            if prefixes:
+                again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                                     on_text, integer_prefixes=prefixes)
+                again.stats = out.stats + again.stats
+                if again.truncated and not out.truncated:
+                    out.stats, prefixes = again.stats, frozenset()
+                else:
+                    out = again
         if (not out.is_call and response_format is None and out.stop_reason != "length"
                 and answer_wanted(messages, mode) and restates(out.text, tools, messages)):
             # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
@@ -310,7 +326,8 @@ class LocalEngine:
                 break
             final = mode == "auto" and (not left or retries == 0)
             out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                               on_text, exclude=None if final else excluded, answer_only=final)
+                               on_text, exclude=None if final else excluded, answer_only=final,
+                               integer_prefixes=prefixes)
             stats = stats + out.stats
             retries -= 1
             if out.truncated and out.is_call:
@@ -322,14 +339,16 @@ class LocalEngine:
         return out
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
-                exclude: set | None = None, answer_only: bool = False,
-                answer_excludes: tuple[str, ...] = ()) -> DecodedTurn:
+                exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = (),
+                integer_prefixes: frozenset[str] = frozenset()) -> DecodedTurn:
         """One decode of the turn (:meth:`turn` without the grounding rules); ``exclude``: tool names masked out of
         the grammar (the prompt still lists every tool); ``answer_only``: a text answer (``tool_choice="none"``'s
-        grammar under the same prompt); ``answer_excludes``: openings the answer may not start with."""
+        grammar under the same prompt); ``answer_excludes``: openings the answer may not start with;
+        ``integer_prefixes``: digit prefixes no non-negative integer argument may start with."""
         ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
                                                     parallel_tool_calls, config, exclude=exclude,
-                                                    answer_only=answer_only, answer_excludes=answer_excludes)
+                                                    answer_only=answer_only, answer_excludes=answer_excludes,
+                                                    integer_prefixes=integer_prefixes)
         parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
@@ -409,7 +428,8 @@ class LocalEngine:
         return self.generator.context_length
 
     def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, *,
-                 exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = ()):
+                 exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = (),
+                 integer_prefixes: frozenset[str] = frozenset()):
         """``(prompt ids, turn grammar, callable tools, tool_choice mode)``; ``exclude`` / ``answer_only``: see
         :meth:`_decode`."""
         allowed, mode = filter_tools(tools, tool_choice)
@@ -422,8 +442,7 @@ class LocalEngine:
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,
                                            lenient_answer=not strict, max_string_length=config.max_string_length,
                                            max_decimals=config.max_decimals, max_items=config.max_items,
-                                           excluded_integer_prefixes=run_together_prefixes(
-                                               conversation_text(messages)) if config.grounding else frozenset(),
+                                           excluded_integer_prefixes=integer_prefixes,
                                            after_results=messages[-1]["role"] == "tool",
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls

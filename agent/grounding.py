@@ -129,6 +129,8 @@ class Grounding:
         for m in _NUMBER.finditer(text):
             x = float(m.group().replace(",", ""))
             self.numbers.add(number_key(x))
+            if "," in m.group() and text.startswith(",", m.end()):  # "128,256, 512": a list too
+                self.numbers |= {number_key(float(part)) for part in m.group().lstrip("-").split(",")}
             if _PERCENT.match(text, m.end()):  # "95%" is also 0.95
                 self.numbers.add(number_key(x / 100))
         self.numbers |= {_NUMBER_WORDS[w] for w in self.words if w in _NUMBER_WORDS}
@@ -169,28 +171,76 @@ class Grounding:
 
 # what separates the items of a list of numbers: "5,10", "15, 20 and 30", "1980 and 2016", "2/3", "4 or 5"
 _LIST_GAP = re.compile(r"\s*(?:[,;/&]\s*(?:(?:and|or)\s+)?|(?:and|or)\s+)", re.IGNORECASE)
+_ASCII_INTEGER = re.compile(r"[1-9][0-9]*|0")
+# past this many prefixes the rule is not applied (a tool result holding thousands of numbers): grammar size
+MAX_RUN_TOGETHER_PREFIXES = 64
+
+
+def _number_runs(text: str) -> list[list[str]]:
+    """The runs of integers ``text`` writes as lists (a list separator between each and the next: ``,`` ``;``
+    ``/`` ``&``, "and", "or"), each integer's ASCII digits with no grouping comma; an item with a leading zero or
+    a sign, or any other number, ends a run ("1,00,000" and "3,05" are no lists); runs of two or more."""
+    runs: list[list[str]] = []
+    run: list[str] = []
+    prev = None
+    for m in _NUMBER.finditer(text):
+        digits = m.group().replace(",", "")
+        whole = _ASCII_INTEGER.fullmatch(digits) is not None and not m.group().startswith("-")
+        if prev is not None and whole and _LIST_GAP.fullmatch(text, prev.end(), m.start()):
+            run.append(digits)
+        else:
+            if len(run) >= 2:
+                runs.append(run)
+            run = [digits] if whole else []
+        prev = m if whole else None
+    if len(run) >= 2:
+        runs.append(run)
+    return runs
+
+
+def run_together_values(text: str) -> set[int]:
+    """The integers that running adjacent items of a list of integers ``text`` writes together gives, and that
+    the text does not write itself (in digits or words: :class:`Grounding`): "the factorial of 5,10 and 15" →
+    510, 1015, 51015. A decoded integer argument equal to one of them is the model copying the list's digits on
+    past the item it meant (Qwen2.5-Coder-0.5B wrote 510, 15 and 1520 for "5,10 and 15", "1,5 and 10" and "15, 20
+    and 30"; dev split, docs/benchmarks.md "Numbers written side by side")."""
+    written = Grounding(text).numbers
+    out = set()
+    for run in _number_runs(text):
+        for i in range(len(run)):
+            if run[i] == "0":
+                continue
+            for j in range(i + 2, min(len(run), i + 4) + 1):  # two to four items run together
+                value = int("".join(run[i:j]))
+                if value not in written:
+                    out.add(value)
+    return out
 
 
 def run_together_prefixes(text: str) -> frozenset[str]:
-    """Where two integers ``text`` writes side by side (a list separator between them: ``,`` ``;`` ``/`` ``&``,
-    "and", "or") would run together: the first one's digits and the second one's first digit (``"5,10 and 15"``
-    → ``{"51", "101"}``), less any prefix that a number the text writes itself starts with. The engine keeps
-    integers from starting so (``schemas.narrow.integers_without_prefixes``): Qwen2.5-Coder-0.5B wrote ``510``,
-    ``15`` and ``1520`` for "5,10 and 15", "1,5 and 10" and "15, 20 and 30" (dev split, docs/benchmarks.md
-    "Numbers written side by side"). Numbers with a fraction or exponent, and negative ones, start no prefix."""
-    found = list(_NUMBER.finditer(text))
-    written = {m.group().replace(",", "").lstrip("-") for m in found}
-    prefixes = set()
-    for a, b in zip(found, found[1:]):
-        first, second = a.group().replace(",", ""), b.group()
-        if not first.isdigit() or first.startswith("0") or not second[:1].isdigit():
-            continue
-        if not _LIST_GAP.fullmatch(text, a.end(), b.start()):
-            continue
-        p = first + second[0]
-        if not any(w.startswith(p) for w in written):
-            prefixes.add(p)
-    return frozenset(prefixes)
+    """The prefixes that keep integers from running the items of a list ``text`` writes together: each item's
+    digits and the next item's first digit (``"5,10 and 15"`` → ``{"51", "101"}``), less any prefix of a number
+    the text writes itself, in digits or words (``"5, 10 and 51"``: 51 is written). Empty past
+    :data:`MAX_RUN_TOGETHER_PREFIXES`. The engine decodes a turn again with integers starting so taken out of the
+    grammar (``schemas.narrow.integers_without_prefixes``) where a call holds a :func:`run_together_values` value."""
+    written = {str(n) for n in Grounding(text).numbers if isinstance(n, int) and n >= 0}
+    starts = {w[:i] for w in written for i in range(1, len(w) + 1)}
+    prefixes = {a + b[0] for run in _number_runs(text) for a, b in zip(run, run[1:])
+                if a != "0" and a + b[0] not in starts}
+    return frozenset(prefixes) if len(prefixes) <= MAX_RUN_TOGETHER_PREFIXES else frozenset()
+
+
+def runs_numbers_together(calls: list[dict], text: str) -> bool:
+    """Whether one of ``calls`` holds a non-negative integer argument (at any depth) equal to a
+    :func:`run_together_values` value of ``text``."""
+    values = None
+    for call in calls:
+        for v in leaf_values(call.get("arguments")):
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 10:
+                values = run_together_values(text) if values is None else values
+                if v in values:
+                    return True
+    return False
 
 
 def number_key(x: int | float) -> int | float:

@@ -422,10 +422,10 @@ def _allowed_intervals(lo: int, hi: int, prefixes: frozenset[str]) -> list[tuple
 def integers_without_prefixes(schema: Any, prefixes: frozenset[str] | set[str]) -> Any:
     """A copy of ``schema`` where each integer admits no non-negative value whose decimal digits start with one of
     ``prefixes`` (digit strings, such as ``"51"``), for the grammar only: an ``anyOf`` of the ``minimum``/``maximum``
-    intervals left is added beside the integer's own keywords. The engine passes the prefixes of two numbers a
-    conversation writes side by side run together (``agent.grounding.run_together_prefixes``: "5,10" → ``"51"``),
-    so a small model cannot write ``510`` for "the factorial of 5,10 and 15" (seen on Qwen2.5-Coder-0.5B, dev
-    split: docs/benchmarks.md "Numbers written side by side").
+    intervals left is added beside the integer's own keywords. Where a call ran the items of a list of numbers
+    the conversation writes together (``510`` for "the factorial of 5,10 and 15", seen on Qwen2.5-Coder-0.5B, dev
+    split: docs/benchmarks.md "Numbers written side by side"), the engine decodes the turn again with the
+    prefixes of ``agent.grounding.run_together_prefixes`` ("5,10" → ``"51"``) taken out.
 
     Applies only to integers bounded on both sides (as :func:`bound_integers` leaves every integer) that carry no
     ``enum``, ``const``, ``multipleOf`` or combinator of their own, that are not under ``not``, ``if`` or ``oneOf``

@@ -25,8 +25,8 @@ def test_mentions_reads_words_numbers_and_scripts_without_spaces():
     assert 0.95 in g and 95 in g and 0.05 in g and 0.5 not in g
     g = Grounding("Roll two dice and show the third page")
     assert 2 in g and 3 in g and 4 not in g
-    g = Grounding("a loan of $400,000, at 4%; 1,234,5 and 12,345,678, then 7")  # a comma after a group ends it
-    assert {400000, 1, 234, 5, 12345678, 7} <= g.numbers and 400 not in g and 1234 not in g
+    g = Grounding("a loan of $400,000 at 4%; 1,234,5 and 12,345,678. Then 7")  # a comma after a group ends it
+    assert {400000, 1, 234, 5, 12345678, 7} <= g.numbers and 400 not in g and 1234 not in g and 678 not in g
 
 
 def test_number_words_that_run_together_write_one_number():
@@ -119,7 +119,7 @@ def _scripted_decodes(monkeypatch, engine, turns):
     """Make ``engine._decode`` return ``turns`` in order; returns the list of (exclude, answer_only) it was asked."""
     asked = []
 
-    def decode(*args, exclude=None, answer_only=False):
+    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset()):
         asked.append((set(exclude or ()), answer_only))
         return turns[len(asked) - 1]
 
@@ -241,16 +241,28 @@ def test_an_argument_required_only_inside_allof_is_never_dropped(smol_dir):
 
 
 def test_numbers_written_side_by_side_give_the_prefixes_they_would_run_together_into():
-    from agent.grounding import run_together_prefixes
+    from agent.grounding import run_together_prefixes, run_together_values, runs_numbers_together
 
     assert run_together_prefixes("Find the factorial of 5,10 and 15.") == {"51", "101"}
+    assert run_together_values("Find the factorial of 5,10 and 15.") == {510, 1015, 51015}
     assert run_together_prefixes("for 1,5 and 10 years") == {"15", "51"}
     assert run_together_prefixes("a loan of $400,000, with a term of 15, 20 and 30 years") == {"152", "203"}
     assert run_together_prefixes("in 1980 and 2016, and 1975 or 2011") == {"19802", "20161", "19752"}
     assert run_together_prefixes("rooms 12/13; floors 3 & 4") == {"121", "34"}
-    # no list between them, a fraction, a sign, a leading zero: nothing runs together
-    for text in ("from 5 to 10", "at 7:30 pm", "numbers 3 4", "0.5, 1.5 and 2", "5 and -3", "07, 08"):
-        assert run_together_prefixes(text) == set(), text
-    assert run_together_prefixes("5, 10.5") == {"51"}  # the first number whole, the second's first digit
-    # a prefix that a number the text writes starts with is no run: "51" is written here
+    # no list between them, a fraction, a sign, a leading zero (Indian grouping), other digits: nothing runs
+    for text in ("from 5 to 10", "at 7:30 pm", "numbers 3 4", "0.5, 1.5 and 2", "5 and -3", "07, 08",
+                 "Convert 1,00,000 INR", "\uff11, \uff12", "5, 10.5"):
+        assert run_together_prefixes(text) == set() and run_together_values(text) == set(), text
+    # a prefix of a number the text writes, in digits or words, is no run
     assert run_together_prefixes("5, 10 and 51") == {"105"}
+    assert run_together_prefixes("Rooms 1 and 2 need chairs: order twelve chairs") == set()
+    # a call runs a list together only where a value equals items run together, not where it starts like them
+    asked = "Record the product of 1, 2, 3, 4 and 5."
+    assert not runs_numbers_together([{"name": "f", "arguments": {"value": 120}}], asked)
+    assert runs_numbers_together([{"name": "f", "arguments": {"v": [1, {"w": 234}]}}], asked)
+    assert len(run_together_prefixes(", ".join(str(n) for n in range(100, 400)))) == 0  # past the cap: none
+
+
+def test_a_grouped_number_before_a_comma_is_read_both_ways():
+    g = Grounding("widths 128,256, 512 and a loan of $400,000, at 4%")
+    assert {128, 256, 128256, 512, 400000} <= g.numbers

@@ -607,19 +607,29 @@ FACTORIAL = Tool.from_openai({"type": "function", "function": {
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup"])
-def test_a_number_never_runs_two_written_numbers_together_under_grounding(smol_dir, drafter):
-    """The model writes ``510`` for "5,10 and 15" (Qwen2.5-Coder-0.5B did, dev split): under grounding the grammar
-    takes out integers starting ``51`` (and ``101``), so the number stops at ``5``; without grounding, as written."""
+def test_a_call_that_runs_a_written_list_together_is_decoded_again_without_it(smol_dir, drafter):
+    """The model writes ``510`` for "5,10 and 15" (Qwen2.5-Coder-0.5B did, dev split): under grounding the turn is
+    decoded again with integers starting ``51`` (and ``101``) taken out of the grammar; without grounding, as
+    written. A computed value that only starts like a run (120 for the product of 1, 2, 3, 4 and 5) and a
+    number the text writes in words (twelve) are kept: no second decode."""
     text = call_text("hermes", [("factorial", {"number": 510}), ("factorial", {"number": 15})])
     asked = [{"role": "user", "content": "Find the factorial of 5,10 and 15."}]
     for grounding in (True, False):
         fmt, gen = scripted(smol_dir, "hermes", text, "<|endoftext|>")
+        seen: list[str] = []
         turn = LocalEngine(gen).turn(asked, [FACTORIAL], "required", config=EngineConfig(
-            drafter=drafter, max_new_tokens=80, grounding=grounding))
+            drafter=drafter, max_new_tokens=80, grounding=grounding), on_text=seen.append)
         numbers = [str(c["arguments"]["number"]) for c in turn.calls]
         if grounding:
-            assert numbers and not any(n.startswith(("51", "101")) for n in numbers), turn.text
             # the script's "1" is masked after "5": a scripted model takes the lowest allowed token there ("0")
-            assert numbers[0].startswith("5"), turn.text
+            assert numbers and numbers[0].startswith("5") and not any(n.startswith(("51", "101")) for n in numbers)
+            assert '"number": 510' in "".join(seen) and '"number": 510' not in turn.text  # the first decode's
         else:
             assert numbers == ["510", "15"], turn.text
+    for question, value in (("Record the factorial of the product of 1, 2, 3, 4 and 5.", 120),
+                            ("Rooms 1 and 2 need chairs: the factorial of twelve.", 12)):
+        fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("factorial", {"number": value})]),
+                            "<|endoftext|>")
+        turn = LocalEngine(gen).turn([{"role": "user", "content": question}], [FACTORIAL], "required",
+                                     config=EngineConfig(drafter=drafter, max_new_tokens=80))
+        assert turn.calls == [{"name": "factorial", "arguments": {"number": value}}], turn.text
