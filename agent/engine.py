@@ -285,8 +285,9 @@ class LocalEngine:
         text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
         no retry takes from the conversation), optional arguments holding values the conversation does not
         write are dropped, and a turn that runs the items of a written list of numbers together (``510`` for
-        "5,10 and 15") is decoded again with such integers taken out of the grammar. ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
-        ``on_text`` sees every decode's text, a discarded call's too.
+        "5,10 and 15") is decoded again with such integers taken out of the grammar. ``text`` is the decoded text
+        of the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded
+        call's too.
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
