@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import ipaddress
 import json
 import logging
 import sys
@@ -66,7 +67,17 @@ DEFAULT_MAX_WAITING = 64
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a request body beyond this gets 413
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds a SIGTERM waits for in-flight requests before cancelling them
 RETRY_AFTER_S = 1  # the Retry-After (seconds) of 429 and 503 answers
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK = ("localhost",)  # names; any address of 127.0.0.0/8 or ::1 is loopback too (is_loopback)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``localhost``, 127.0.0.0/8 or ``::1``."""
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Cancelled(Exception):
@@ -193,7 +204,8 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     context_length = getattr(engine, "context_length", None)
 
     registry = CollectorRegistry()
-    m_requests = Counter("specagent_requests", "Chat completion requests by HTTP status", ["status"],
+    m_requests = Counter("specagent_requests", "Chat completions answered and error responses of any route, by "
+                         "HTTP status", ["status"],
                          registry=registry)
     m_tokens = Counter("specagent_generated_tokens", "Tokens generated", registry=registry)
     m_drafted = Counter("specagent_drafted_tokens", "Drafter tokens proposed", registry=registry)
@@ -554,7 +566,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, config: Engi
     import os
 
     api_key = api_key or os.environ.get("SPECAGENT_API_KEY") or None
-    if host not in LOOPBACK and api_key is None:
+    if not is_loopback(host) and api_key is None:
         print(f"warning: serving on {host} without an API key: anyone who can reach it can use the model; pass "
               f"--api-key or set SPECAGENT_API_KEY", file=sys.stderr, flush=True)
     engine = LocalEngine(model, draft_model=draft_model, device=device, dtype=dtype, backend=backend, engine=engine,

@@ -329,6 +329,14 @@ def test_api_key_guards_every_route_but_health(engine):
         assert post(url + "/chat/completions", body(stream=True), headers=ok).status_code == 200
 
 
+def test_every_loopback_address_is_loopback():
+    """No key warning for 127.0.0.0/8 or ::1 (a helper saw one for 127.0.0.2); one for anything else."""
+    from agent.server import is_loopback
+
+    assert all(is_loopback(h) for h in ("localhost", "127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "[::1]"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "192.168.1.2", "::", "example.com", "128.0.0.1", ""))
+
+
 def test_metrics_are_prometheus_text(url):
     post(url + "/chat/completions", body())
     post(url + "/chat/completions", body(seed=2 ** 64))
