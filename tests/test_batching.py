@@ -378,3 +378,22 @@ def test_the_models_end_stops_a_batched_sequence_where_it_stops_alone(cpp, quest
         others = [f.result() for f in others]
     assert out.stop_reason == "masked_end" and out.tokens == ref.tokens and asked[1] == asked[0]
     assert [o.tokens for o in others] == [r.tokens for r in references[:2]]
+
+
+def test_a_prompt_that_shares_little_keeps_another_prompts_cache(cpp):
+    """A 150-token prompt, then an unrelated short one, then the first again, one at a time through the scheduler:
+    the short one takes an empty slot (not the one holding the long prompt), and when it runs alone on seq 0 the
+    long prompt's cache moves aside instead of being overwritten; the long prompt's second run reuses all of it
+    (a helper saw it prefilled anew after every unrelated request: 4.1 s instead of 1.0 s on Qwen)."""
+    from constraints import regex_grammar
+
+    gen = Generator(cpp)
+    gen.enable_batching(4, seq_ctx=1024)
+    long_prompt = gen.tokenizer.encode("Once upon a time there was a dragon who lived in a cave. " * 10)
+    short = gen.tokenizer.encode("The weather today is")
+    grammar = regex_grammar(r"[a-z ]{1,24}")
+    first = gen.generate(long_prompt, grammar, drafter="none", max_new_tokens=6)
+    for prompt in (short, gen.tokenizer.encode("Name a colour:")):
+        gen.generate(prompt, grammar, drafter="none", max_new_tokens=6)
+        again = gen.generate(long_prompt, grammar, drafter="none", max_new_tokens=6)
+        assert again.stats.prompt_tokens_cached >= len(long_prompt) - 1 and again.tokens == first.tokens
