@@ -304,8 +304,9 @@ class BatchScheduler:
         prefix with the prompt, where that is at least SMALL_UBATCH tokens or half the prompt; else the one holding
         the fewest cached tokens (an empty one first), so a prompt that shares little does not wipe another
         prompt's cache (a helper saw a 250-token prompt re-prefilled after each unrelated request: 4.1 s instead of
-        1.0 s); ties: least recently used. Where another slot, busy or not, holds at least SMALL_UBATCH more of the prompt, its KV
-        stream is copied into the free slot (``seq_cp``) instead of prefilling again. Under the lock."""
+        1.0 s); ties: least recently used. Where another slot, busy or not, holds at least SMALL_UBATCH more of the
+        prompt, its KV stream is copied into the free slot (``seq_cp``) instead of prefilling again. Under the
+        lock."""
         while self._waiting and None in self._slots:
             req = self._waiting.pop(0)
             plans = [prefill_classes(req.prompt, self.ctx.tokens[s], self._big[s]) if self.exact_prefill else
@@ -343,8 +344,8 @@ class BatchScheduler:
         holes = [p for p in range(n) if self._slots[p] is None]
         above = [q for q in range(self.max_batch - 1, n - 1, -1) if self._slots[q] is not None]
         for p, q in zip(holes, above):
-            # the hole's cached prompt (a finished request's) goes to an empty free slot above first, where one
-            # is left, so that the next request with that prompt still finds it
+            # the hole's cached prompt (a finished request's) goes first to a free slot above (an empty one, else
+            # the least recently used one where older), so that the next request with that prompt still finds it
             spares = [e for e in range(self.max_batch - 1, n - 1, -1) if e != q and self._slots[e] is None]
             spare = min(spares, key=lambda e: (bool(self.ctx.tokens[e]), self._last_used[e]), default=None)
             if self.ctx.tokens[p] and spare is not None and (
