@@ -162,9 +162,7 @@ class Tool:
                 raise ToolError(f"tool {tool_name!r}: parameter {pname!r} has no type annotation")
             if isinstance(hints[pname], str):
                 raise ToolError(f"tool {tool_name!r}: parameter {pname!r}: cannot resolve its annotation "
-                                f"{hints[pname]!r} (a type defined inside a function cannot be resolved from a string "
-                                f"annotation, e.g. under `from __future__ import annotations`: define it at module "
-                                f"level)")
+                                f"{hints[pname]!r} ({_LOCAL_TYPE_ADVICE})")
             default = ... if p.default is p.empty else p.default
             doc = arg_docs.get(pname)  # none: an Annotated[..., Field(description=...)] keeps its own
             extra = {"description": doc} if doc else {}
@@ -179,9 +177,7 @@ class Tool:
             schema = _clean_pydantic_schema(model.model_json_schema())
         except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError, NameError) as e:
             raise ToolError(f"tool {tool_name!r}: cannot build the model of its arguments from the signature: "
-                            f"{str(e).splitlines()[0]} (a type defined inside a function cannot be resolved from "
-                            f"a string annotation, e.g. under `from __future__ import annotations`: define it at "
-                            f"module level)") from None
+                            f"{str(e).splitlines()[0]} ({_LOCAL_TYPE_ADVICE})") from None
         return cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,
                    strict=strict)
 
@@ -354,6 +350,11 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     args.pop("__indent__", None)
     summary = " ".join(" ".join(summary_lines).split())
     return summary, args
+
+
+# why an annotation may not resolve, and what to do (both from_function errors about annotations end with it)
+_LOCAL_TYPE_ADVICE = ("a type defined inside a function cannot be resolved from a string annotation, e.g. under "
+                      "`from __future__ import annotations`: define it at module level")
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
