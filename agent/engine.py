@@ -22,8 +22,8 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
-from .grounding import (Grounding, conversation_text, run_together_prefixes, runs_numbers_together,
-                        takes_from_conversation, without_unwritten_optional)
+from .grounding import (Grounding, conversation_text, grounded_call, run_together_prefixes, runs_numbers_together,
+                        takes_from_conversation, zeros_appended_prefixes)
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
 
@@ -58,11 +58,14 @@ class EngineConfig:
             in ``stats.masked_end_argmax`` the positions where the model's argmax was an end-of-generation token the
             grammar forbade (``Generator.masked_end_argmax``); a diagnostic for benchmarks, off by default.
         grounding: judge calls by where their values come from (``agent.grounding``; :meth:`LocalEngine.turn`):
-            optional arguments the conversation does not write are dropped, and a turn whose calls take nothing
-            from the conversation is decoded again without those tools; and a turn whose call runs the items of
-            a list of numbers the conversation writes together ("5,10 and 15" → ``510``:
-            ``agent.grounding.runs_numbers_together``) is decoded again with integers starting so (``51``,
-            ``101``) taken out of the grammar. On by default; False returns the calls as the
+            optional arguments the conversation does not write are dropped, a rate written only as a percent goes
+            into a ``number`` field that does not ask for a percent as its fraction, an array copying its whole
+            ``enum`` keeps the values the conversation asks for (``agent.grounding.grounded_call``), and a turn
+            whose calls take nothing from the conversation is decoded again without those tools; and a turn
+            whose call runs the items of a list of numbers the conversation writes together ("5,10 and 15" →
+            ``510``: ``agent.grounding.runs_numbers_together``) or writes zeros on past a written number ("$50"
+            → ``500000``: ``agent.grounding.zeros_appended_prefixes``) is decoded again with integers starting so
+            (``51``, ``101``, ``500``) taken out of the grammar. On by default; False returns the calls as the
             grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
@@ -284,19 +287,23 @@ class LocalEngine:
         with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
         text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
         no retry takes from the conversation), optional arguments holding values the conversation does not
-        write are dropped, and a turn that runs the items of a written list of numbers together (``510`` for
-        "5,10 and 15") is decoded again with such integers taken out of the grammar. ``text`` is the decoded text
-        of the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded
-        call's too.
+        write are dropped (then percents and copied enum lists are read: ``agent.grounding.grounded_call``), and a
+        turn that runs the items of a written list of numbers together (``510`` for "5,10 and 15") or writes zeros
+        on past a written number (``500000`` for "$50") is decoded again with such integers taken out of the
+        grammar. ``text`` is the decoded text of the turn returned;
+        ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's too.
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
         prefixes: frozenset[str] = frozenset()  # integer prefixes taken out of every later decode's grammar
-        if config.grounding and out.calls and runs_numbers_together(out.calls, text := conversation_text(messages)):
-            # a call copied a list's digits on past the item it meant ("5,10" → 510): decoded again with integers
-            # that would run two items together taken out of the grammar; the first decode stands if that one is
-            # cut by the budget where the first was not
-            prefixes = run_together_prefixes(text)
+        if config.grounding and out.calls:
+            # a call copied a list's digits on past the item it meant ("5,10" → 510), or wrote zeros on past a
+            # number ("$50" → 500000): decoded again with integers that would do so taken out of the grammar; the
+            # first decode stands if that one is cut by the budget where the first was not
+            text = conversation_text(messages)
+            prefixes = zeros_appended_prefixes(out.calls, text)
+            if runs_numbers_together(out.calls, text):
+                prefixes |= run_together_prefixes(text)
             if prefixes:
                 again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
                                      on_text, integer_prefixes=prefixes)
@@ -336,7 +343,7 @@ class LocalEngine:
                 break
         out.stats = stats
         if out.calls:
-            out.calls = distinct_calls([without_unwritten_optional(c, allowed, grounding) for c in out.calls])
+            out.calls = distinct_calls([grounded_call(c, allowed, grounding) for c in out.calls])
         return out
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,

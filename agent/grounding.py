@@ -1,13 +1,23 @@
 """Where a call's values come from: the conversation's own text, or the model.
 
-Small models invent values. Two rules judge a decoded call by whether its values are written in the conversation
-(every ``system``, ``developer``, ``user`` and ``tool`` message: :func:`conversation_text`), both chosen on the
-dev split (docs/benchmarks.md, "Values from the conversation") and both off with ``EngineConfig(grounding=False)``:
+Small models invent values. These rules judge a decoded call by whether its values are written in the conversation
+(every ``system``, ``developer``, ``user`` and ``tool`` message: :func:`conversation_text`), all chosen on the
+dev split (docs/benchmarks.md, "Values from the conversation" and the sections named below) and all off with
+``EngineConfig(grounding=False)``:
 
 * **optional arguments** (:func:`drop_unwritten_optional`): an argument the tool does not require is dropped when
   one of its strings or numbers is not written in the conversation (:class:`Grounding`), so the tool's own default
   applies. Qwen2.5-Coder-0.5B otherwise fills them with the description's example (``"mission": "Mission 1"``) or a
   guess (``"date_range": "2023-01-01 to 2023-01-31"`` where the question names no date).
+* **percents and copied enum lists** (:func:`grounded_call`, docs/benchmarks.md "Percents and copied enum lists"): a
+  ``number`` argument holding a number the conversation writes only as a percent becomes its fraction
+  (``"interest_rate": 5`` for "5%" → 0.05), unless the field says it holds a percent (its name, description or
+  tool's description says so, or its ``maximum`` is above 1); an array that lists every value of its items'
+  ``enum`` in the schema's order (the model copying the schema) keeps the values the conversation asks for.
+* **numbers run on** (:func:`runs_numbers_together`, :func:`zeros_appended_prefixes`): a call holding an integer
+  that runs the items of a written list together (``510`` for "5,10 and 15") or a written number on in zeros
+  (``500000`` for "$50") makes ``LocalEngine`` decode the turn again with integers starting so taken out of the
+  grammar.
 * **the tool choice** (:func:`takes_from_conversation`): a turn none of whose calls takes anything from the
   conversation (each holds strings or numbers, and none of them, nor a word of them, nor all the numbers of an
   expression such as ``"17 + 25 * 3"``, is written there) called a
@@ -23,7 +33,7 @@ infers correctly from no words at all counts as not written.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from schemas import Tool, ToolCallError
 
@@ -38,8 +48,20 @@ _NUMBER_WORDS = {w: i for i, w in enumerate(
 _NUMBER_WORDS.update({w: 10 * i for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)})
 _NUMBER_WORDS.update({w: i for i, w in enumerate(
     "first second third fourth fifth sixth seventh eighth ninth tenth".split(), 1)})
-_NUMBER_WORDS.update({"hundred": 100, "thousand": 1000, "million": 10 ** 6, "dozen": 12, "twice": 2, "once": 1})
-_PERCENT = re.compile(r"\s*(?:%|per\s*cent)", re.IGNORECASE)
+_NUMBER_WORDS.update({"hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "dozen": 12,
+                      "twice": 2, "once": 1})
+_PERCENT = re.compile(r"\s*(?:%|per\s*cent\b)", re.IGNORECASE)
+# the first number of a range of percents: "3-5%", "3 to 5%", "between 3 and 5%" (3 is a percent too; "and" only
+# after "between": "buy 2 and get 5% off" is no range)
+_PERCENT_RANGE = re.compile(r"\s*(?:-|\u2013|to\b)\s*\d+(?:\.\d+)?\s*(?:%|per\s*cent\b)", re.IGNORECASE)
+_PERCENT_BETWEEN = re.compile(r"\s*and\s+\d+(?:\.\d+)?\s*(?:%|per\s*cent\b)", re.IGNORECASE)
+_BETWEEN = re.compile(r"\bbetween\s*$", re.IGNORECASE)
+# what says a field holds a percent: its name, its description or its tool's description
+_SAYS_PERCENT = re.compile(r"percent|per\s*cent\b|(?<![a-z])pct(?![a-z])|%", re.IGNORECASE)
+# a scale after a number: "$1M", "5k", "1.2 million", "3bn" (a letter attached, a word after a space or not)
+_SCALE = re.compile(r"(?:([kKmMbB]|bn)|\s*(thousand|million|billion|trillion|bn))(?![^\W\d_])", re.IGNORECASE)
+_SCALE_OF = {"k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "bn": 10 ** 9, "thousand": 10 ** 3, "million": 10 ** 6,
+             "billion": 10 ** 9, "trillion": 10 ** 12}
 # cardinals that combine into one number: "twenty-five", "two hundred and fifty", "three thousand"
 _UNITS = {w: _NUMBER_WORDS[w] for w in "one two three four five six seven eight nine".split()}
 _TEENS = {w: _NUMBER_WORDS[w] for w in "zero ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen "
@@ -116,25 +138,35 @@ def is_text_or_number(value: Any) -> bool:
 
 class Grounding:
     """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
-    as 5000, ``95%`` as 95 and 0.95, a number word as its number: "two", "third", "dozen", and a run of them as
-    the number it writes: "twenty-five", "two hundred and fifty"), a string found in the text ignoring case and
-    runs of whitespace; booleans and null always (``value in grounding``). :meth:`mentions` is looser: a string
-    one of whose words is written counts."""
+    as 5000, ``95%`` as 95 and 0.95, ``$1.2M`` and "1.2 million" as 1.2 and 1200000, a number word as its number:
+    "two", "third", "dozen", and a run of them as the number it writes: "twenty-five", "two hundred and fifty"), a
+    string found in the text ignoring case and runs of whitespace; booleans and null always (``value in
+    grounding``). :meth:`mentions` is looser: a string one of whose words is written counts. ``percents_only``: the
+    numbers written only as percents ("5%", "5 percent", nowhere a plain 5)."""
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign
         self.text = " ".join(text.casefold().split())
         self.words = set(_WORD.findall(self.text))
         self.numbers = set()
+        plain, percents = set(), set()
         for m in _NUMBER.finditer(text):
             x = float(m.group().replace(",", ""))
             self.numbers.add(number_key(x))
             if "," in m.group() and text.startswith(",", m.end()):  # "128,256, 512": a list too
                 self.numbers |= {number_key(float(part)) for part in m.group().lstrip("-").split(",")}
-            if _PERCENT.match(text, m.end()):  # "95%" is also 0.95
+            if scale := _SCALE.match(text, m.end()):  # "$1.2M" is also 1200000
+                self.numbers.add(number_key(float(f"{x * _SCALE_OF[(scale[1] or scale[2]).lower()]:.15g}")))
+            if (_PERCENT.match(text, m.end()) or _PERCENT_RANGE.match(text, m.end())  # "95%" is also 0.95
+                    or (_PERCENT_BETWEEN.match(text, m.end()) and _BETWEEN.search(text, 0, m.start()))):
                 self.numbers.add(number_key(x / 100))
-        self.numbers |= {_NUMBER_WORDS[w] for w in self.words if w in _NUMBER_WORDS}
-        self.numbers |= compound_numbers(self.text)
+                percents.add(number_key(x))
+            else:
+                plain.add(number_key(x))
+        words = {_NUMBER_WORDS[w] for w in self.words if w in _NUMBER_WORDS} | compound_numbers(self.text)
+        self.numbers |= words
+        # numbers the text writes only as percents ("an interest rate of 5%", nowhere a plain 5 or "five")
+        self.percents_only = percents - plain - words
 
     def __contains__(self, value: Any) -> bool:
         if value is None or isinstance(value, bool):
@@ -243,6 +275,35 @@ def runs_numbers_together(calls: list[dict], text: str) -> bool:
     return False
 
 
+def zeros_appended_prefixes(calls: list[dict], text: str) -> frozenset[str]:
+    """The prefixes that keep integers from running on in zeros past a number ``text`` writes: for each integer
+    argument of ``calls`` (at any depth) that the text does not write (:class:`Grounding`) and that is a written
+    integer of two or more digits followed by zeros (``500000`` for "a maximum cost of $50", ``100`` for "the
+    next 10 years"), that integer's digits and a ``0`` (``"500"``, ``"100"``), less any prefix of a number the
+    text writes itself. Qwen2.5-Coder-0.5B writes digits one token at a time and, after a number, sometimes goes on
+    writing zeros (dev split: ``multiple_39``, ``parallel_23``, ``parallel_multiple_7``, docs/benchmarks.md "Zeros
+    after a number"). The engine decodes such a turn again with integers starting so taken out of the grammar."""
+    grounding = None
+    found: set[str] = set()
+    for call in calls:
+        for v in leaf_values(call.get("arguments")):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 100:
+                continue
+            grounding = Grounding(text) if grounding is None else grounding
+            if v in grounding:
+                continue
+            digits = str(v).rstrip("0")
+            for k in range(len(digits), len(str(v))):
+                head = str(v)[:k]
+                if len(head) >= 2 and head[0] != "0" and int(head) in grounding.numbers:
+                    found.add(head + "0")
+    if not found:
+        return frozenset()
+    written = {str(n) for n in grounding.numbers if isinstance(n, int) and n >= 0}
+    starts = {w[:i] for w in written for i in range(1, len(w) + 1)}
+    return frozenset(x for x in found if x not in starts)
+
+
 def number_key(x: int | float) -> int | float:
     """A number as one key whatever its JSON spelling (``1`` and ``1.0`` alike); integers beyond a float's range
     stay exact integers."""
@@ -275,6 +336,114 @@ def drop_unwritten_optional(call: dict, parameters: dict, grounding: Grounding) 
     kept = {k: v for k, v in args.items()
             if k in required or all(v2 in grounding for v2 in leaf_values(v) if is_text_or_number(v2))}
     return call if len(kept) == len(args) else {**call, "arguments": kept}
+
+
+def _map_arguments(call: dict, parameters: dict, rule: Callable[[str, Any, dict], Any]) -> dict:
+    """``call`` with each top-level argument that ``parameters`` (the tool's JSON Schema) describes replaced by
+    ``rule(name, value, its schema)`` where that is not None; the same dict when nothing changes."""
+    args = call.get("arguments")
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(args, dict) or not isinstance(props, dict):
+        return call
+    changed = {k: new for k, v in args.items()
+               if isinstance(props.get(k), dict) and (new := rule(k, v, props[k])) is not None}
+    return {**call, "arguments": {**args, **changed}} if changed else call
+
+
+def _json_types(spec: dict) -> set:
+    """The JSON types a schema allows at its top: its ``type`` (one or a list) and its ``anyOf``/``oneOf``
+    alternatives' (``Optional[float]`` is ``anyOf: [number, null]``)."""
+    t = spec.get("type")
+    types = set(t) if isinstance(t, list) else {t}
+    for alt in (spec.get("anyOf") or []) + (spec.get("oneOf") or []):
+        if isinstance(alt, dict):
+            types |= _json_types(alt)
+    return types
+
+
+def fractions_for_percents(call: dict, parameters: dict, grounding: Grounding, tool_description: str = "") -> dict:
+    """``call`` with each top-level argument that ``parameters`` types ``"number"`` (not ``"integer"``) holding a
+    number the conversation writes only as a percent (``grounding.percents_only``: "5%", "3-5%", and nowhere a
+    plain 5 or "five") as that number's fraction: ``"interest_rate": 5`` for "an interest rate of 5%" becomes 0.05.
+    Not where the field says it holds a percent: its name, its description or ``tool_description`` says
+    "percent", "per cent", "pct" or ``%`` ("Interest rate in percentage"), or its ``maximum`` (or
+    ``exclusiveMaximum``) is above 1 (a 0-100 scale).
+
+    Returns the same dict when nothing changes, else a new one; the caller validates it.
+    """
+    if _SAYS_PERCENT.search(tool_description or ""):
+        return call
+
+    def fraction(name: str, value: Any, spec: dict) -> float | None:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or number_key(value) not in grounding.percents_only):
+            return None
+        types, says = _json_types(spec), _SAYS_PERCENT.search(f"{name} {spec.get('description') or ''}")
+        if "number" not in types or "integer" in types or says:
+            return None
+        top = [b for b in (spec.get("maximum"), spec.get("exclusiveMaximum")) if isinstance(b, (int, float))]
+        return None if any(b > 1 for b in top) else float(f"{value / 100:.12g}")
+
+    return _map_arguments(call, parameters, fraction)
+
+
+# words that say nothing of what an enum item is ("Food and Beverages"): never a sign it was asked for
+_STOP_WORDS = frozenset("and the for with from into all any not per are has have can you your our its out off "
+                        "over under near only more less than that this".split())
+
+
+def _asks_for(item: str, grounding: Grounding) -> bool:
+    """Whether the conversation writes a word of ``item`` (three or more letters, not a stop word), or the same word
+    in another form (one a prefix of the other, four letters or more: "price"/"prices", "child"/"children"). An
+    item with no such word ("TV", "A") cannot be judged by its words: it counts as asked for."""
+    words = [w for w in _WORD.findall(item.casefold()) if len(w) >= 3 and w not in _STOP_WORDS]
+    return not words or any(w in grounding.words or (len(w) >= 4 and any(
+        len(u) >= 4 and (u.startswith(w) or w.startswith(u)) for u in grounding.words)) for w in words)
+
+
+def without_unasked_enum_items(call: dict, parameters: dict, grounding: Grounding) -> dict:
+    """``call`` with each top-level array argument that lists every value of its items' ``enum`` (three or more),
+    in the schema's order — the model copying the schema's list ("preferences": ``["Pet-friendly", "Disabled
+    Access", "24 hours", "Cafe Inside"]`` for "a pet-friendly library with facilities for disabled people") —
+    reduced to the values the conversation asks for (a word of the value written there, :func:`_asks_for`), where
+    it asks for at least one and not all.
+
+    Returns the same dict when nothing changes, else a new one; the caller validates it.
+    """
+    def asked(name: str, value: Any, spec: dict) -> list | None:
+        items = spec.get("items")
+        enum = items.get("enum") if isinstance(items, dict) else None
+        if not isinstance(enum, list) or len(enum) < 3 or value != enum or not all(isinstance(x, str) for x in value):
+            return None
+        kept = [x for x in value if _asks_for(x, grounding)]
+        return kept if 0 < len(kept) < len(value) else None
+
+    return _map_arguments(call, parameters, asked)
+
+
+def grounded_call(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:
+    """``call`` with its values read against the conversation, one rule after the other, each kept only where the
+    call still validates against its tool among ``tools`` (else that rule's change is dropped):
+    :func:`without_unasked_enum_items` (first, so an optional list the model copied whole keeps what was asked for
+    rather than being dropped whole), :func:`drop_unwritten_optional`, :func:`fractions_for_percents` (the tool's
+    description read too). A call naming a tool not in ``tools`` is returned as decoded."""
+    tool = next((t for t in tools if t.name == call.get("name")), None)
+    if tool is None:
+        return call
+
+    def percents(c: dict, parameters: dict, g: Grounding) -> dict:
+        return fractions_for_percents(c, parameters, g, tool.description)
+
+    for rule in (without_unasked_enum_items, drop_unwritten_optional, percents):
+        changed = rule(call, tool.parameters, grounding)
+        if changed is call:
+            continue
+        try:
+            tool.validate(changed["arguments"])
+        except ToolCallError:  # the changed call is refused: the call before this rule stands
+            continue
+        call = changed
+    return call
 
 
 def without_unwritten_optional(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:

@@ -8,6 +8,7 @@ from agent import Agent
 from agent.engine import DecodedTurn, EngineConfig, LocalEngine
 from agent.grounding import Grounding, drop_unwritten_optional, takes_from_conversation
 from decoding import DecodeStats
+from schemas import Tool
 
 from test_formats import WEATHER
 from test_turn_end import TIME, call_text, scripted, scripted_backend  # noqa: F401 (scripted_backend: a fixture)
@@ -43,8 +44,6 @@ def test_number_words_that_run_together_write_one_number():
 def test_a_call_holding_a_number_written_in_words_is_not_decoded_again(smol_dir, monkeypatch):
     """Before, "twenty-five" read as 20 and 5 only: ``set_timer(minutes=25)`` took nothing from the conversation,
     so the turn was decoded again without the tool (under ``auto``: a text answer)."""
-    from schemas import Tool
-
     timer = Tool.from_schema("set_timer", {"type": "object", "properties": {"minutes": {"type": "integer"}},
                                            "required": ["minutes"]})
     call = {"name": "set_timer", "arguments": {"minutes": 25}}
@@ -231,8 +230,6 @@ def test_a_request_turns_grounding_off_with_its_own_field_and_a_bad_value_names_
 def test_an_argument_required_only_inside_allof_is_never_dropped(smol_dir):
     """``drop_unwritten_optional`` reads the top-level ``required``; the engine keeps the decoded call wherever the
     reduced one would not validate (here both keys are required inside ``allOf``)."""
-    from schemas import Tool
-
     trip = Tool.from_schema("trip", {"type": "object", "allOf": [{"properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city", "days"]}]})
     _, gen = scripted(smol_dir, "hermes", call_text("hermes", [("trip", {"city": "Lima", "days": 6})]), "<|im_end|>")
@@ -266,3 +263,169 @@ def test_numbers_written_side_by_side_give_the_prefixes_they_would_run_together_
 def test_a_grouped_number_before_a_comma_is_read_both_ways():
     g = Grounding("widths 128,256, 512 and a loan of $400,000, at 4%")
     assert {128, 256, 128256, 512, 400000} <= g.numbers
+
+
+RATE = {"type": "object", "required": ["rate", "years"], "properties": {
+    "rate": {"type": "number", "description": "The interest rate applied per period."},
+    "years": {"type": "number"},
+    "growth": {"type": "number", "description": "Growth in percentage."},
+    "discount_percent": {"type": "number"},
+    "points": {"type": "integer"}}}
+
+
+def test_a_rate_written_only_as_a_percent_becomes_its_fraction_unless_the_field_says_percent():
+    from agent.grounding import fractions_for_percents
+
+    g = Grounding("Present value of $1000 a year at an interest rate of 5%, growth 3%, 4 percent off, 7% points, "
+                  "for 10 years")
+    call = {"name": "pv", "id": "c1", "arguments": {"rate": 5, "years": 10, "growth": 3, "discount_percent": 4,
+                                                    "points": 7}}
+    out = fractions_for_percents(call, RATE, g)
+    assert out["arguments"] == {**call["arguments"], "rate": 0.05} and out["id"] == "c1"
+    assert call["arguments"]["rate"] == 5  # the input is not changed
+    assert fractions_for_percents({"arguments": {"rate": 0.05}}, RATE, g)["arguments"] == {"rate": 0.05}
+    plain = {"arguments": {"rate": 5, "years": 5}}  # "5 years at 5%": 5 is also written plainly
+    assert fractions_for_percents(plain, RATE, Grounding("5 years at 5%")) is plain
+    odd = {"arguments": {"rate": 12.5}}
+    assert fractions_for_percents(odd, RATE, Grounding("a rate of 12.5 percent"))["arguments"] == {"rate": 0.125}
+
+
+AMENITIES = ["Pet-friendly", "Disabled Access", "24 hours", "Cafe Inside"]
+LIBRARY = {"type": "object", "required": ["location"], "properties": {
+    "location": {"type": "string"},
+    "preferences": {"type": "array", "items": {"type": "string", "enum": AMENITIES}},
+    "data": {"type": "array", "items": {"type": "string", "enum": ["price", "volume", "dividends"]}},
+    "two": {"type": "array", "items": {"type": "string", "enum": ["RGB", "HEX"]}}}}
+
+
+def test_an_array_that_copies_its_enum_keeps_the_values_the_conversation_asks_for():
+    from agent.grounding import without_unasked_enum_items
+
+    g = Grounding("Find me a pet-friendly library with facilities for disabled people in New York City, with the "
+                  "closing prices and volumes, in RGB")
+    call = {"name": "find", "arguments": {"location": "NYC", "preferences": AMENITIES,
+                                          "data": ["price", "volume", "dividends"], "two": ["RGB", "HEX"]}}
+    out = without_unasked_enum_items(call, LIBRARY, g)
+    assert out["arguments"] == {"location": "NYC", "preferences": ["Pet-friendly", "Disabled Access"],
+                                "data": ["price", "volume"], "two": ["RGB", "HEX"]}  # two values: a choice
+    for kept in (["Pet-friendly", "24 hours", "Disabled Access", "Cafe Inside"],  # not the schema's order
+                 ["24 hours", "Cafe Inside"]):  # not every value
+        c = {"arguments": {"preferences": kept}}
+        assert without_unasked_enum_items(c, LIBRARY, g) is c
+    c = {"arguments": {"preferences": AMENITIES}}
+    assert without_unasked_enum_items(c, LIBRARY, Grounding("a library in Oslo")) is c  # none asked for: kept
+    everything = Grounding("pet friendly, disabled access, open 24 hours and a cafe inside")
+    assert without_unasked_enum_items(c, LIBRARY, everything) is c
+    food = {"type": "object", "properties": {"amenities": {"type": "array", "items": {
+        "enum": ["Parking", "Food and Beverages", "VIP Seating"]}}}}
+    c = {"arguments": {"amenities": ["Parking", "Food and Beverages", "VIP Seating"]}}
+    assert without_unasked_enum_items(c, food, Grounding("concerts with parking and the like"))["arguments"] == {
+        "amenities": ["Parking"]}  # "and", "the": no sign of being asked for
+
+
+def test_grounded_call_keeps_a_rule_only_where_the_call_still_validates():
+    from agent.grounding import grounded_call
+
+    three = {"type": "array", "minItems": 3, "items": {"type": "string", "enum": AMENITIES}}
+    params = {**LIBRARY, "required": ["location", "preferences"],
+              "properties": {**LIBRARY["properties"], "preferences": three}}
+    tool = Tool("find", "", params)  # three preferences at least: the two asked for do not validate
+    g = Grounding("a pet-friendly library for disabled people at 5%")
+    call = {"name": "find", "arguments": {"location": "NYC", "preferences": AMENITIES, "data": ["price", "volume",
+                                                                                               "dividends"]}}
+    assert grounded_call(call, [tool], g) == {"name": "find", "arguments": {"location": "NYC",
+                                                                            "preferences": AMENITIES}}
+    rate = Tool("pv", "", RATE)
+    call = {"name": "pv", "arguments": {"rate": 5, "years": 10, "points": 2}}
+    assert grounded_call(call, [rate], Grounding("10 years at 5%")) == {"name": "pv", "arguments": {
+        "rate": 0.05, "years": 10}}  # the invented optional `points` dropped, the rate as a fraction
+    assert grounded_call(call, [], g) is call  # an unknown tool: as decoded
+
+
+@pytest.mark.parametrize("grounding", [True, False])
+def test_the_agent_returns_a_rate_written_as_a_percent_as_its_fraction(smol_dir, grounding):
+    """A real constrained decode (the scripted model writes ``rate: 5`` for "5%"): with grounding the returned,
+    validated call holds 0.05; without it the call is as decoded."""
+    pv = Tool("pv", "Present value.", RATE)
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", [("pv", {"rate": 5, "years": 10})]), "<|im_end|>")
+    res = Agent(gen, [pv], config=EngineConfig(grounding=grounding)).run(
+        [{"role": "user", "content": "Present value at an interest rate of 5% for 10 years?"}],
+        tool_choice="required", max_steps=1)
+    assert res.pending_calls[0].arguments == {"rate": 0.05 if grounding else 5, "years": 10}
+
+
+def test_a_number_with_a_scale_reads_as_the_number_it_scales_to():
+    g = Grounding("revenues of $1M in 2019 and $1.2M in 2020, 5k steps, 2 million people, 3bn, 1.5 Billion, "
+                  "5 mins and 7 km")
+    assert {1, 1.2, 1_000_000, 1_200_000, 5000, 2_000_000, 3 * 10 ** 9, 1_500_000_000} <= g.numbers
+    assert 5_000_000 not in g and 7000 not in g  # "5 mins", "7 km": units, not scales
+
+
+def test_percent_fields_and_plain_numbers_a_new_user_found_are_left_as_decoded():
+    """Cases a new-user helper found converted (before the fix) that must stay as decoded."""
+    from agent.grounding import fractions_for_percents
+
+    def rate(text, value, name="rate", tool="", **spec):
+        params = {"type": "object", "properties": {name: {"type": "number", **spec}}}
+        return fractions_for_percents({"arguments": {name: value}}, params, Grounding(text), tool)["arguments"][name]
+
+    assert rate("Interest on $1000 at 5% for five years", 5, "years") == 5  # "five": written plainly
+    assert rate("Set the fan speed to 50%", 50, "speed", maximum=100) == 50  # a 0-100 scale
+    assert rate("rate of 5%", 5, description="Interest rate, in per cent") == 5
+    assert rate("a 15% discount", 15, "discount_pct") == 15
+    assert rate("rate of 5%", 5, tool="The rate is given in percent, e.g. 5 for 5%.") == 5
+    assert rate("The price is $5 per centimetre", 5, "price") == 5  # "per cent" is a whole word
+    assert rate("loans with rates between 3 and 5%", 3, "min_rate") == 0.03  # one range, one unit
+    assert rate("rates of 3-5%", 3, "min_rate") == 0.03 and rate("rates of 3 to 5%", 5, "max_rate") == 0.05
+    assert rate("buy 2 and get 5% off", 2, "quantity") == 2  # "and" makes a range only after "between"
+    optional = {"anyOf": [{"type": "number"}, {"type": "null"}]}
+    params = {"type": "object", "properties": {"rate": optional}}
+    assert fractions_for_percents({"arguments": {"rate": 5}}, params, Grounding("at 5%"))["arguments"] == {
+        "rate": 0.05}  # Optional[float] alike
+
+
+def test_enum_values_without_a_word_to_judge_count_as_asked_for_and_an_optional_copy_keeps_what_was_asked():
+    from agent.grounding import grounded_call, without_unasked_enum_items
+
+    params = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": ["TV", "AC", "Pool"]}}}}
+    c = {"arguments": {"a": ["TV", "AC", "Pool"]}}
+    assert without_unasked_enum_items(c, params, Grounding("a room with TV, AC and a pool")) is c
+    t = Tool("t", "", {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "type": "string", "enum": ["WiFi", "Pool", "Gym"]}}}})  # optional: reduced, not dropped whole
+    assert grounded_call({"name": "t", "arguments": {"a": ["WiFi", "Pool", "Gym"]}}, [t],
+                         Grounding("with a pool"))["arguments"] == {"a": ["Pool"]}
+
+
+def test_an_integer_that_runs_on_in_zeros_past_a_written_number_gives_its_prefix():
+    from agent.grounding import zeros_appended_prefixes
+
+    def prefixes(value, text):
+        return zeros_appended_prefixes([{"name": "f", "arguments": {"x": {"y": [value]}}}], text)
+
+    assert prefixes(500000, "Find a ride with a maximum cost of $50") == {"500"}
+    assert prefixes(100, "for the next 10 years and 20 years") == {"100"}
+    assert prefixes(1500, "15 items") == {"150"}
+    assert prefixes(500, "at 50 m/s for 500 m") == set()  # 500 is written
+    assert prefixes(5000, "50 km, then 5000 steps") == set()  # written: "500" starts 5000
+    assert prefixes(5000, "convert 5 km to meters") == set()  # one digit: a unit conversion may be meant
+    assert prefixes(1000000, "revenues of $1M and $10") == set()  # "$1M" writes 1000000
+    assert prefixes(120, "12 apples") == {"120"} and prefixes(True, "10 apples") == set()
+
+
+def test_a_turn_that_runs_on_in_zeros_is_decoded_again_without_such_integers(smol_dir, monkeypatch):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    asked = []
+    turns = [_turn([{"name": "rides", "arguments": {"max_cost": 500000}}]),
+             _turn([{"name": "rides", "arguments": {"max_cost": 50}}], tokens=7)]
+
+    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset()):
+        asked.append(integer_prefixes)
+        return turns[len(asked) - 1]
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    rides = Tool("rides", "", {"type": "object", "properties": {"max_cost": {"type": "integer"}},
+                               "required": ["max_cost"]})
+    out = engine.turn([{"role": "user", "content": "A ride with a maximum cost of $50"}], [rides], "required")
+    assert out.calls == [{"name": "rides", "arguments": {"max_cost": 50}}] and asked == [frozenset(), {"500"}]
+    assert out.stats.new_tokens == 12
