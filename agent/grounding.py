@@ -249,14 +249,20 @@ def run_together_values(text: str) -> set[int]:
     return out
 
 
+def _written_starts(grounding: Grounding) -> set[str]:
+    """Every leading run of digits of a non-negative integer the conversation writes (in digits or words): a prefix
+    among them is never taken out of the grammar, so a written number stays writable."""
+    written = {str(n) for n in grounding.numbers if isinstance(n, int) and n >= 0}
+    return {w[:i] for w in written for i in range(1, len(w) + 1)}
+
+
 def run_together_prefixes(text: str) -> frozenset[str]:
     """The prefixes that keep integers from running the items of a list ``text`` writes together: each item's
     digits and the next item's first digit (``"5,10 and 15"`` → ``{"51", "101"}``), less any prefix of a number
     the text writes itself, in digits or words (``"5, 10 and 51"``: 51 is written). Empty past
     :data:`MAX_RUN_TOGETHER_PREFIXES`. The engine decodes a turn again with integers starting so taken out of the
     grammar (``schemas.narrow.integers_without_prefixes``) where a call holds a :func:`run_together_values` value."""
-    written = {str(n) for n in Grounding(text).numbers if isinstance(n, int) and n >= 0}
-    starts = {w[:i] for w in written for i in range(1, len(w) + 1)}
+    starts = _written_starts(Grounding(text))
     prefixes = {a + b[0] for run in _number_runs(text) for a, b in zip(run, run[1:])
                 if a != "0" and a + b[0] not in starts}
     return frozenset(prefixes) if len(prefixes) <= MAX_RUN_TOGETHER_PREFIXES else frozenset()
@@ -299,8 +305,7 @@ def zeros_appended_prefixes(calls: list[dict], text: str) -> frozenset[str]:
                     found.add(head + "0")
     if not found:
         return frozenset()
-    written = {str(n) for n in grounding.numbers if isinstance(n, int) and n >= 0}
-    starts = {w[:i] for w in written for i in range(1, len(w) + 1)}
+    starts = _written_starts(grounding)
     return frozenset(x for x in found if x not in starts)
 
 
@@ -427,15 +432,29 @@ def grounded_call(call: dict, tools: Iterable[Tool], grounding: Grounding) -> di
     :func:`without_unasked_enum_items` (first, so an optional list the model copied whole keeps what was asked for
     rather than being dropped whole), :func:`drop_unwritten_optional`, :func:`fractions_for_percents` (the tool's
     description read too). A call naming a tool not in ``tools`` is returned as decoded."""
+    return _with_rules(call, tools, (
+        lambda c, tool: without_unasked_enum_items(c, tool.parameters, grounding),
+        lambda c, tool: drop_unwritten_optional(c, tool.parameters, grounding),
+        lambda c, tool: fractions_for_percents(c, tool.parameters, grounding, tool.description)))
+
+
+def without_unwritten_optional(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:
+    """``call`` less its optional arguments the conversation does not write (:func:`drop_unwritten_optional`
+    against its tool among ``tools``), where the result still validates against that tool (a key required only
+    inside ``allOf``/``anyOf``, ``minProperties`` …); else, or for a tool not in ``tools``, ``call`` as decoded.
+    The rule of before :func:`grounded_call` (``scripts/replay_grounding.py`` compares the two)."""
+    return _with_rules(call, tools, (lambda c, tool: drop_unwritten_optional(c, tool.parameters, grounding),))
+
+
+def _with_rules(call: dict, tools: Iterable[Tool], rules: tuple[Callable[[dict, Tool], dict], ...]) -> dict:
+    """``call`` after ``rules`` (each ``rule(call, its tool) -> call``, the same dict when nothing changes) in
+    order, each change kept only where the call still validates against its tool among ``tools``; a call naming a
+    tool not in ``tools`` as decoded."""
     tool = next((t for t in tools if t.name == call.get("name")), None)
     if tool is None:
         return call
-
-    def percents(c: dict, parameters: dict, g: Grounding) -> dict:
-        return fractions_for_percents(c, parameters, g, tool.description)
-
-    for rule in (without_unasked_enum_items, drop_unwritten_optional, percents):
-        changed = rule(call, tool.parameters, grounding)
+    for rule in rules:
+        changed = rule(call, tool)
         if changed is call:
             continue
         try:
@@ -444,20 +463,3 @@ def grounded_call(call: dict, tools: Iterable[Tool], grounding: Grounding) -> di
             continue
         call = changed
     return call
-
-
-def without_unwritten_optional(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:
-    """``call`` less its optional arguments the conversation does not write (:func:`drop_unwritten_optional`
-    against its tool among ``tools``), where the result still validates against that tool (a key required only
-    inside ``allOf``/``anyOf``, ``minProperties`` …); else, or for a tool not in ``tools``, ``call`` as decoded."""
-    tool = next((t for t in tools if t.name == call.get("name")), None)
-    if tool is None:
-        return call
-    dropped = drop_unwritten_optional(call, tool.parameters, grounding)
-    if dropped is call:
-        return call
-    try:
-        tool.validate(dropped["arguments"])
-    except ToolCallError:  # the reduced call is refused: the decoded one stands
-        return call
-    return dropped

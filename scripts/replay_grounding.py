@@ -25,6 +25,7 @@ from agent.grounding import (Grounding, conversation_text, grounded_call,  # noq
                              run_together_prefixes, runs_numbers_together, without_unwritten_optional,
                              zeros_appended_prefixes)
 from bench.bfcl import bfcl_turn, is_irrelevance, load_questions  # noqa: E402
+from compare_bfcl_runs import category as category_of  # noqa: E402 (this folder: the same id → category rule)
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -55,7 +56,7 @@ def main(paths: list[str]) -> int:
                 continue
             qid = parts[0]
             seen.add(qid)
-            category = re.sub(r"_\d[\d-]*$", "", qid)
+            category = category_of(qid)
             if is_irrelevance(category):
                 continue
             if category not in rows:
