@@ -74,6 +74,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-close-at-model-end", dest="close_at_model_end", action="store_false",
                    help="where the model asks to end inside a call it is writing, keep it writing (the grammar masks "
                         "its end) instead of closing the call there (EngineConfig.close_at_model_end)")
+    p.add_argument("--no-tool-prior", dest="tool_prior", action="store_false",
+                   help="keep the tool the decode chose instead of choosing it against the model's prior for the "
+                        "tools listed (agent/tool_prior.py, EngineConfig.tool_prior)")
 
 
 def _agent(args, tools, **kwargs):
@@ -180,7 +183,7 @@ def _config(args):
     return EngineConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, adaptive=args.adaptive,
                         window=args.window, max_string_length=args.max_string_length, max_decimals=args.max_decimals,
                         max_items=args.max_items, max_new_tokens=args.max_new_tokens, grounding=args.grounding,
-                        close_at_model_end=args.close_at_model_end)
+                        close_at_model_end=args.close_at_model_end, tool_prior=args.tool_prior)
 
 
 def _drafter_label(generator, name: str) -> str:

@@ -89,9 +89,11 @@ class Agent:
         tools: functions, pydantic models, OpenAI tool dicts or :class:`Tool` objects.
         config: an :class:`EngineConfig` (drafter, γ, caps, sampling, per-turn budget); the keyword arguments
             ``drafter``, ``num_draft_tokens``, ``adaptive``, ``window``, ``max_string_length``, ``max_decimals``,
-            ``max_items``, ``grounding`` override its fields (None: keep). ``grounding`` (default True): calls judged by where their values come
-            from (``agent.grounding``): optional arguments the conversation does not write are dropped, and a turn
-            whose calls take nothing from it is decoded again without those tools.
+            ``max_items``, ``grounding``, ``tool_prior`` override its fields (None: keep). ``grounding`` (default
+            True): calls judged by where their values come from (``agent.grounding``): optional arguments the
+            conversation does not write are dropped, and a turn whose calls take nothing from it is decoded again
+            without those tools. ``tool_prior`` (default True): the tool of a one-call turn checked against the
+            model's prior for the tools listed (``agent.tool_prior``).
         draft_model, device, dtype, backend, threads, ctx_size: load-time arguments, only when the agent loads the model
             (ValueError with a ready engine or Generator, where they would be ignored); ``backend`` is a row of
             ``decoding.BACKENDS``: ``"llamacpp"`` runs the GGUF on llama.cpp's CPU kernels (``threads`` CPU
@@ -116,7 +118,8 @@ class Agent:
                  config: EngineConfig | None = None, drafter: str | None = None, num_draft_tokens: int | None = None,
                  adaptive: bool | None = None, window: str | None = None, max_string_length: int | None = None,
                  max_decimals: int | None = None, max_items: int | None = None,
-                 grounding: bool | None = None, draft_model: Any = None, device: str | None = None,
+                 grounding: bool | None = None, tool_prior: bool | None = None, draft_model: Any = None,
+                 device: str | None = None,
                  dtype: str | None = None, max_steps: int = 4,
                  strict: bool = True, tool_timeout: float | None = None, max_retries: int = 1,
                  parallel_tool_execution: bool = True, tool_format: str | None = None,
@@ -140,7 +143,7 @@ class Agent:
         self.config = (config or EngineConfig()).override(
             drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive, window=window,
             max_string_length=max_string_length, max_decimals=max_decimals, max_items=max_items,
-            grounding=grounding)
+            grounding=grounding, tool_prior=tool_prior)
         self.registry = ToolRegistry(strict=strict)
         self._tool_sources: list[tuple[Any, bool | None]] = []
         for t in tools:
@@ -184,7 +187,7 @@ class Agent:
             max_new_tokens: int | None = None, max_total_tokens: int | None = None, max_steps: int | None = None,
             parallel_tool_calls: bool | None = None, temperature: float | None = None, top_p: float | None = None,
             seed: int | None = None, drafter: str | None = None, num_draft_tokens: int | None = None,
-            grounding: bool | None = None) -> RunResult:
+            grounding: bool | None = None, tool_prior: bool | None = None) -> RunResult:
         """Run the loop until a final answer, a call of a tool without a callable, or ``max_steps`` turns.
 
         Args:
@@ -197,9 +200,10 @@ class Agent:
             max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
             parallel_tool_calls: allow several calls in one turn (None: when the tool format has a layout for
                 them; True raises ToolFormatError for a format that has none, e.g. ``llama3_json``).
-            temperature, top_p, seed, drafter, num_draft_tokens, max_new_tokens, grounding: override
+            temperature, top_p, seed, drafter, num_draft_tokens, max_new_tokens, grounding, tool_prior: override
                 :attr:`config` for this run (None: the config's value; ``num_draft_tokens=0`` is honoured; greedy
-                when temperature is 0; ``grounding=False`` returns calls exactly as decoded).
+                when temperature is 0; ``grounding=False`` returns calls exactly as decoded; ``tool_prior=False``
+                keeps the tool the decode chose).
         Returns:
             :class:`RunResult`. A decoded call of a lenient tool that still fails validation after ``max_retries``
             retries ends the run with ``RunResult.error`` set (the transcript and earlier results are kept).
@@ -212,7 +216,8 @@ class Agent:
         return self._run(prompt, None, tool_choice=tool_choice, response_format=response_format,
                          max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, max_steps=max_steps,
                          parallel_tool_calls=parallel_tool_calls, temperature=temperature, top_p=top_p, seed=seed,
-                         drafter=drafter, num_draft_tokens=num_draft_tokens, grounding=grounding)
+                         drafter=drafter, num_draft_tokens=num_draft_tokens, grounding=grounding,
+                         tool_prior=tool_prior)
 
     def stream(self, prompt: str | list[dict], **kwargs) -> Iterator[Event]:
         """Like :meth:`run`, but yields :class:`Event` objects as they happen (tokens, tool calls, answer, stats);

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -22,10 +23,13 @@ from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, 
 from schemas import Tool
 
 from .formats import ToolFormat, make_format
+from .formats.chat import plain_text_encoder
 from .grounding import (Grounding, conversation_text, grounded_call, run_together_prefixes, runs_numbers_together,
                         takes_from_conversation, zeros_appended_prefixes)
 from .parallel_calls import ParallelCallsEnd
 from .tool_choice import filter_tools
+from .tool_prior import (MIN_PROBABILITY, PriorCache, calibrated_pick, content_free_messages, name_span,
+                         opening_tokens, tokens_starting_with)
 
 STOP_REASONS = ("eos", "grammar", "length", "stop")
 DEFAULT_MAX_PARALLEL_CALLS = 8  # calls one several-call turn may return (EngineConfig.max_parallel_calls)
@@ -77,6 +81,14 @@ class EngineConfig:
             argument not yet written) the model's end stays masked and it goes on writing, as without the rule.
             On by default; False: the grammar keeps the model writing until the call is whole or the budget cuts
             it.
+        tool_prior: where a turn holds one call and two or more tools may be called, the tool is chosen against
+            the model's prior for it (``agent.tool_prior``: the name's log-probability after the conversation less
+            its log-probability after a content-free one, Zhao et al. 2021 §4, among the tools whose name's first
+            token the model gives at least 1% after the conversation), and the turn is decoded again with its
+            calls restricted to that tool where it differs from the decode's; the first decode stands where the
+            new one is cut by the budget, answers instead of calling, or takes nothing from the conversation where
+            the first did. Local engines, not under continuous batching (``Generator.enable_batching``). On by
+            default; False keeps the decode's choice.
         stop: stop sequences (OpenAI's ``stop``): a text answer's decode ends at the step whose text holds one
             (``stop_reason`` ``"stop"``; the text may run a few tokens past it: the caller cuts it there, as the
             server does). Calls and structured answers are not cut.
@@ -100,6 +112,7 @@ class EngineConfig:
     grounding: bool = True
     grounding_retries: int = DEFAULT_GROUNDING_RETRIES
     close_at_model_end: bool = True
+    tool_prior: bool = True
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -110,7 +123,7 @@ class EngineConfig:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
         _check_int("max_parallel_calls", self.max_parallel_calls, 1)
         _check_int("grounding_retries", self.grounding_retries, 0)
-        for name in ("adaptive", "grounding", "close_at_model_end"):
+        for name in ("adaptive", "grounding", "close_at_model_end", "tool_prior"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
@@ -163,6 +176,8 @@ class DecodedTurn:
             ``stop`` (a stop sequence).
         stats: decode statistics (a remote engine fills what the server reports).
         drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
+        tokens: the decoded token ids (local engines; empty where not known). ``text`` may end before them (a
+            several-call turn cut at its end rule) or hold a closing the engine wrote after them.
     """
 
     text: str
@@ -171,6 +186,7 @@ class DecodedTurn:
     stop_reason: str
     stats: DecodeStats = field(default_factory=DecodeStats)
     drafter: str | None = None
+    tokens: list[int] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
@@ -248,6 +264,8 @@ class LocalEngine:
                                        dtype=dtype or "float32", backend=backend, engine=engine, threads=threads,
                                        drafter=drafter or DEFAULT_DRAFTER, ctx_size=ctx_size)
         self.format: ToolFormat = make_format(self.tokenizer, tool_format, chat_template)
+        self._prior_cache = PriorCache()  # content-free scores of agent.tool_prior, by tool list and opening
+        self._closings: dict = {}  # character -> the tokens starting with it (agent.tool_prior.tokens_starting_with)
         if isinstance(model, str):
             where, load = model, {"backend": backend or engine, "threads": threads, "ctx_size": ctx_size}
         else:  # rebuilt from the loaded model where it pickles, else from its file (llama.cpp: ctypes handles)
@@ -290,11 +308,30 @@ class LocalEngine:
         write are dropped (then percents and copied enum lists are read: ``agent.grounding.grounded_call``), and a
         turn that runs the items of a written list of numbers together (``510`` for "5,10 and 15") or writes zeros
         on past a written number (``500000`` for "$50") is decoded again with such integers taken out of the
-        grammar. ``text`` is the decoded text of the turn returned;
-        ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's too.
+        grammar. Before those, with ``config.tool_prior`` (the default), a turn of one call out of two or more
+        callable tools is decoded again restricted to the tool the model's prior points to where that differs
+        (``agent.tool_prior``). ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
+        ``on_text`` sees every decode's text, a discarded call's too.
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        grounding = Grounding(conversation_text(messages)) if out.calls and (config.grounding or config.tool_prior) \
+            else None
+        only: set | None = None  # tools masked out of every later decode: all but the prior's pick
+        if config.tool_prior and len(allowed) >= 2 and out.calls and len(out.calls) == 1 \
+                and self.generator.batcher is None:
+            pick = self._prior_pick(messages, tools, parallel_tool_calls, out, allowed)
+            if pick is not None:
+                masked = {t.name for t in allowed if t.name != pick}
+                again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                                     on_text, exclude=masked)
+                again.stats = out.stats + again.stats
+                took = any(takes_from_conversation(c, grounding) for c in out.calls)
+                if (again.calls and not (again.truncated and not out.truncated)
+                        and (any(takes_from_conversation(c, grounding) for c in again.calls) or not took)):
+                    out, only = again, masked
+                else:
+                    out.stats = again.stats
         prefixes: frozenset[str] = frozenset()  # integer prefixes taken out of every later decode's grammar
         if config.grounding and out.calls:
             # a call copied a list's digits on past the item it meant ("5,10" → 510), or wrote zeros on past a
@@ -306,7 +343,7 @@ class LocalEngine:
                 prefixes |= run_together_prefixes(text)
             if prefixes:
                 again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                                     on_text, integer_prefixes=prefixes)
+                                     on_text, exclude=only, integer_prefixes=prefixes)
                 again.stats = out.stats + again.stats
                 if again.truncated and not out.truncated:
                     out.stats, prefixes = again.stats, frozenset()
@@ -323,7 +360,6 @@ class LocalEngine:
             out = again
         if not config.grounding or not out.calls:
             return out
-        grounding = Grounding(conversation_text(messages))
         first, stats, excluded = out, out.stats, set()
         retries = config.grounding_retries
         while out.calls and not any(takes_from_conversation(c, grounding) for c in out.calls):
@@ -345,6 +381,47 @@ class LocalEngine:
         if out.calls:
             out.calls = distinct_calls([grounded_call(c, allowed, grounding) for c in out.calls])
         return out
+
+    def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,
+                    out: DecodedTurn, allowed: list[Tool]) -> str | None:
+        """The tool of the highest calibrated score for the call of ``out`` (``agent.tool_prior``) among the
+        tools whose name's first token the model gives at least :data:`agent.tool_prior.MIN_PROBABILITY` after
+        the conversation, where it is not the tool the decode chose; None where it is, where fewer than two tools
+        are candidates, where the turn's text does not write the name as ``"name": "…"`` after tokens of its own,
+        or where the scoring prompt does not fit the context."""
+        name = out.calls[0].get("name")
+        span = name_span(out.text, name)
+        if span is None:
+            return None
+        start, closing = span
+        opening = opening_tokens(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False), out.tokens,
+                                 out.text, start)
+        if opening is None:
+            return None
+        ids, rest = opening
+        encode = plain_text_encoder(self.format.tokenizer)
+        names = [t.name for t in allowed]
+        conts = [encode(rest + n) for n in names]
+        then = self._closings.get(closing)
+        if then is None:
+            then = self._closings[closing] = tokens_starting_with(self.tokenizer, closing)
+        several = parallel_tool_calls is True
+        prompt = self.format.render(messages, list(tools), several=several)
+        free = self.format.render(content_free_messages(messages), list(tools), several=several)
+        try:
+            scores = self.generator.continuation_logprobs(prompt, conts, prefix=ids, then=then,
+                                                          floor=math.log(MIN_PROBABILITY))
+            kept = [k for k, v in enumerate(scores) if v != float("-inf")]
+            if len(kept) < 2:
+                return None
+            prior = dict(zip(kept, self._prior_cache.get(
+                (*free, *ids, closing), [tuple(conts[k]) for k in kept],
+                lambda missing: self.generator.continuation_logprobs(free, [list(c) for c in missing],
+                                                                     prefix=ids, then=then))))
+        except ValueError:  # ContextLengthError: the scoring prompt is past the context
+            return None
+        pick = calibrated_pick(scores, [prior.get(k, 0.0) for k in range(len(names))], names)
+        return None if pick == name else pick
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
                 exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = (),
@@ -408,7 +485,8 @@ class LocalEngine:
         else:  # cut by the budget: the whole calls before the cut one (several-call turns), never the cut one
             whole = [c for c, _ in self.format.complete_calls(text)] if is_call and parallel else []
             calls = whole or None
-        return DecodedTurn(text, calls, is_call, stop, out.stats, self.generator.resolve_drafter(config.drafter))
+        return DecodedTurn(text, calls, is_call, stop, out.stats, self.generator.resolve_drafter(config.drafter),
+                           list(out.tokens))
 
     def check(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
               response_format: Any = None, parallel_tool_calls: bool | None = None,

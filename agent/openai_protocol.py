@@ -5,8 +5,8 @@ the field (``tools[0].function.parameters``, ``messages[2].tool_calls[0]``, ``re
 so the server answers HTTP 400 with a message a client can act on. Our own knobs are extra fields under their own
 names: ``drafter``, ``num_draft_tokens`` (at most :data:`MAX_NUM_DRAFT_TOKENS`), ``adaptive``, ``window``
 (``"cost"`` or ``"fixed"``), ``max_string_length``, ``max_decimals``, ``max_items``, ``grounding`` (a boolean:
-``agent.grounding``), ``close_at_model_end`` (a boolean: ``agent.engine.EngineConfig``). ``seed`` is a 64-bit
-integer. A ``tool`` message needs a ``tool_call_id`` naming a call of the assistant message before it (as OpenAI);
+``agent.grounding``), ``close_at_model_end`` and ``tool_prior`` (booleans: ``agent.engine.EngineConfig``).
+``seed`` is a 64-bit integer. A ``tool`` message needs a ``tool_call_id`` naming a call of the assistant message before it (as OpenAI);
 earlier assistant ``tool_calls`` are taken as given (well-formed, not checked against this request's tools).
 ``logprobs``, ``top_logprobs``, ``logit_bias`` and the penalties are served at their defaults only
 (:data:`DEFAULT_ONLY_FIELDS`); a lone surrogate in any string is refused (no tokenizer reads it); a model not
@@ -30,7 +30,7 @@ STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_c
                    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
                    "stream_options", "n", "user")
 EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "window", "max_string_length", "max_decimals",
-                "max_items", "grounding", "close_at_model_end")
+                "max_items", "grounding", "close_at_model_end", "tool_prior")
 # standard parameters served only at their default (no effect): any other value is refused, naming the parameter
 DEFAULT_ONLY_FIELDS = {"logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
                        "logit_bias": {}}

@@ -36,7 +36,7 @@ class OpenAIEngine:
         model: the served model id.
         api_key: sent as a bearer token (local servers ignore it).
         send_engine_config: also send this project's knobs (``drafter``, ``num_draft_tokens``, ``adaptive``,
-            ``max_string_length``, ``max_decimals``, ``max_items``, ``grounding``, ``close_at_model_end``) as extra fields: only
+            ``max_string_length``, ``max_decimals``, ``max_items``, ``grounding``, ``close_at_model_end``, ``tool_prior``) as extra fields: only
             this project's server takes them (the server applies the grounding rules; without them a remote
             turn's calls are as sent).
         extra_body: more fields for every request (e.g. vLLM's ``structured_outputs`` options).
@@ -86,7 +86,8 @@ class OpenAIEngine:
         extra = dict(self.extra_body)
         if self.send_engine_config:
             extra.update(drafter=config.drafter, num_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive,
-                         grounding=config.grounding, close_at_model_end=config.close_at_model_end)
+                         grounding=config.grounding, close_at_model_end=config.close_at_model_end,
+                         tool_prior=config.tool_prior)
             extra.update({k: getattr(config, k) for k in ("window", "max_string_length", "max_decimals", "max_items")
                           if getattr(config, k) is not None})
         return body, extra

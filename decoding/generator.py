@@ -295,6 +295,57 @@ class Generator:
             state.consume(tok)
         return found
 
+    def continuation_logprobs(self, prompt: list[int], continuations: list[list[int]], *,
+                              prefix: list[int] = (), floor: float | None = None,
+                              then: torch.Tensor | None = None) -> list[float]:
+        """The target's log-probability of each continuation after ``prompt + prefix``, teacher-forced, no grammar:
+        for continuation ``c``, ``sum_j log softmax(logits_j)[c[j]]`` (natural log, ``float``). One prefill of
+        ``prompt`` (the prefix still in the backend's KV cache is reused, as by a decode of ``prompt``), one
+        forward of ``prefix`` and the last prompt token (logits of its last row: every continuation's first
+        token), then one forward per continuation of its tokens (all of them with ``then``, else all but the
+        last). ``prefix``: tokens a decode after ``prompt`` wrote (fed as the decode fed them, after the prompt's
+        prefill, so the prompt's cached keys/values are reused whole). Runs on this thread's target, not on the
+        continuous-batching scheduler.
+
+        Args:
+            floor: a continuation whose first token's log-probability is below it gets ``-inf`` without a forward
+                of its own (None: every continuation is scored).
+            then: ``bool [V]``: the continuation is followed by any one of these tokens; adds the log of their
+                summed probability after its last token (e.g. every token whose text starts with ``"``: a name
+                ends there however the model goes on, ``"`` or ``",``).
+        Raises:
+            ValueError: ``prompt`` or a continuation is empty.
+            ContextLengthError: the prompt, ``prefix`` and the longest continuation do not fit the model's context.
+        """
+        if not prompt or not all(continuations):
+            raise ValueError("continuation_logprobs needs a non-empty prompt and non-empty continuations")
+        limit = self.loaded.context_length
+        longest = max((len(c) for c in continuations), default=0)
+        if limit is not None and len(prompt) + len(prefix) + longest > limit:
+            raise ContextLengthError(f"the prompt is {len(prompt)} tokens, the prefix {len(prefix)} and a "
+                                     f"continuation {longest}; {self.loaded.name} takes at most {limit}")
+        target = self.new_target()
+        cur = prefill(target, list(prompt), DecodeStats())
+        first = torch.log_softmax(target.forward([cur] + list(prefix), num_logits=1)[0][0].float(), dim=-1)
+        if then is not None:  # to the logits' width V (it may exceed the tokenizer's)
+            mask = torch.zeros(first.shape[-1], dtype=torch.bool)
+            mask[:min(len(then), len(mask))] = then[:len(mask)]
+        base, out = target.length, []
+        for cont in continuations:
+            value = float(first[cont[0]])
+            if floor is not None and value < floor:
+                out.append(float("-inf"))
+                continue
+            fed = list(cont) if then is not None else list(cont[:-1])
+            if fed:
+                target.crop(base)
+                logp = torch.log_softmax(target.forward(fed)[0].float(), dim=-1)
+                value += float(logp[torch.arange(len(cont) - 1), torch.tensor(cont[1:], dtype=torch.long)].sum())
+                if then is not None:
+                    value += float(torch.logsumexp(logp[-1][mask], dim=0))
+            out.append(value)
+        return out
+
     def row_cost(self, window: str | None = None):
         """The :class:`decoding.window.RowCost` the speculative step sizes windows by under ``window`` (default
         :attr:`window`): the backend's measured curve with ``"cost"`` (measured once per machine, model and threads:

@@ -8,6 +8,10 @@ normalised over the question's tools). Prints one JSON line per question: the gr
 listed order), ``p`` / ``p_rev`` (indices of the listed order), and the tool each order picks and the one that
 the mean of the two orders' log-probabilities picks.
 
+With ``--prior``: also the names' probabilities after a content-free question ("N/A": Zhao et al. 2021,
+"Calibrate Before Use", §4) and the tool that the listed order's log-probabilities less those pick
+(``p_prior``, ``pick_cal``; what ``agent.tool_prior`` builds on); ``--no-reverse`` skips the reversed order.
+
 Usage: ``python scripts/tool_order_bias.py --split dev --category multiple --limit 50 > order.jsonl``, then
 ``python scripts/tool_order_bias.py --summarize order.jsonl``.
 """
@@ -28,8 +32,12 @@ def summarize(path: str) -> None:
     rows = [json.loads(line) for line in open(path)]
     print(f"{len(rows)} questions")
     for key, label in (("pick", "tools as listed"), ("pick_rev", "tools reversed"),
-                       ("pick_avg", "mean of both orders")):
+                       ("pick_avg", "mean of both orders"), ("pick_cal", "listed, content-free prior")):
+        if key not in rows[0]:
+            continue
         print(f"{label:22s} {sum(r[key] == r['gt'] for r in rows):3d} pick the ground truth's tool")
+    if "pick_rev" not in rows[0]:
+        return
     flips = [r for r in rows if r["pick"] != r["pick_rev"]]
     first = sum(r["pick"] == 0 and r["pick_rev"] == r["n"] - 1 for r in flips)
     print(f"the pick changes with the order in {len(flips)}; in {first} of them each order picks its first-listed "
@@ -44,6 +52,10 @@ def main() -> None:
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--summarize", metavar="JSONL")
+    p.add_argument("--prior", action="store_true",
+                   help="also the names' probabilities under a content-free question ('N/A', Zhao et al. 2021, "
+                        "'Calibrate before use', §4) and the pick of the listed order divided by them")
+    p.add_argument("--no-reverse", action="store_true", help="skip the reversed order")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -79,12 +91,19 @@ def main() -> None:
     for row in load_questions(args.category, split=args.split, limit=args.limit):
         names = [fn["name"] for fn in row["function"]]
         a = name_probs(row)
-        b = name_probs(dict(row, function=list(reversed(row["function"]))))
-        mean = {k: (math.log(a[k]) + math.log(b[k])) / 2 for k in names}
-        print(json.dumps({"id": row["id"], "gt": names.index(next(iter(row["ground_truth"][0]))), "n": len(names),
-                          "p": [round(a[k], 4) for k in names], "p_rev": [round(b[k], 4) for k in names],
-                          "pick": names.index(max(a, key=a.get)), "pick_rev": names.index(max(b, key=b.get)),
-                          "pick_avg": names.index(max(mean, key=mean.get))}), flush=True)
+        out = {"id": row["id"], "gt": names.index(next(iter(row["ground_truth"][0]))), "n": len(names),
+               "p": [round(a[k], 4) for k in names], "pick": names.index(max(a, key=a.get))}
+        if not args.no_reverse:
+            b = name_probs(dict(row, function=list(reversed(row["function"]))))
+            mean = {k: (math.log(a[k]) + math.log(b[k])) / 2 for k in names}
+            out.update(p_rev=[round(b[k], 4) for k in names], pick_rev=names.index(max(b, key=b.get)),
+                       pick_avg=names.index(max(mean, key=mean.get)))
+        if args.prior:
+            question = [[{"role": "user", "content": "N/A"}]]
+            c = name_probs(dict(row, question=question))
+            cal = {k: math.log(a[k]) - math.log(c[k]) for k in names}
+            out.update(p_prior=[round(c[k], 4) for k in names], pick_cal=names.index(max(cal, key=cal.get)))
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

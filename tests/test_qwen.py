@@ -134,3 +134,25 @@ def test_qwen_0_5b_speculative_greedy_on_llamacpp_is_token_identical_with_fixed_
         assert runs["none"].raw_turns == runs["forced"].raw_turns == runs["lookup"].raw_turns, row["id"]
         fewer += runs["lookup"].stats.target_forwards < runs["none"].stats.target_forwards
     assert fewer == 4
+
+
+@pytest.mark.parametrize("qid,listed_first,asked_for", [("multiple_38", "library.reserve_book", "library.search_book"),
+                                                        ("multiple_40", "electromagnetism.ampere_law",
+                                                         "electromagnetism.biot_savart_law")])
+def test_qwen_0_5b_calls_the_tool_asked_for_where_it_leans_to_the_first_listed(cpp_q8, qid, listed_first,
+                                                                               asked_for):
+    """Two dev questions where the 0.5B calls the tool listed first ("find a book" → ``library.reserve_book``);
+    against its prior for the tools (``EngineConfig.tool_prior``, agent/tool_prior.py) it calls the one asked for.
+    Fixture: the two BFCL dev rows (``tests/fixtures/BFCL_v4_multiple.dev_tool_prior.jsonl``)."""
+    from agent.engine import EngineConfig, LocalEngine
+    from bench.bfcl import bfcl_turn
+
+    row = next(r for r in load_questions("multiple", FIXTURES) if r["id"] == qid)
+    turn = bfcl_turn(row, "multiple")
+    engine = LocalEngine(Generator(cpp_q8))
+    names = {}
+    for prior in (False, True):
+        out = engine.turn(turn.messages, turn.tools, turn.tool_choice, parallel_tool_calls=turn.parallel,
+                          config=EngineConfig(max_new_tokens=128, tool_prior=prior))
+        names[prior] = [c["name"] for c in out.calls]
+    assert names == {False: [listed_first], True: [asked_for]}
