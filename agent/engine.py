@@ -178,6 +178,7 @@ class DecodedTurn:
         drafter: the drafter mode the turn was decoded with (``auto`` resolved; None: not known, remote).
         tokens: the decoded token ids (local engines; empty where not known). ``text`` may end before them (a
             several-call turn cut at its end rule) or hold a closing the engine wrote after them.
+        prompt: the prompt token ids ``tokens`` were decoded after (local engines; empty where not known).
     """
 
     text: str
@@ -187,6 +188,7 @@ class DecodedTurn:
     stats: DecodeStats = field(default_factory=DecodeStats)
     drafter: str | None = None
     tokens: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
@@ -315,8 +317,8 @@ class LocalEngine:
         """
         allowed, mode = filter_tools(tools, tool_choice)
         out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
-        grounding = Grounding(conversation_text(messages)) if out.calls and (config.grounding or config.tool_prior) \
-            else None
+        text = conversation_text(messages)
+        grounding = Grounding(text) if out.calls and (config.grounding or config.tool_prior) else None
         only: set | None = None  # tools masked out of every later decode: all but the prior's pick
         if config.tool_prior and len(allowed) >= 2 and out.calls and len(out.calls) == 1 \
                 and self.generator.batcher is None:
@@ -337,10 +339,9 @@ class LocalEngine:
             # a call copied a list's digits on past the item it meant ("5,10" → 510), or wrote zeros on past a
             # number ("$50" → 500000): decoded again with integers that would do so taken out of the grammar; the
             # first decode stands if that one is cut by the budget where the first was not
-            text = conversation_text(messages)
-            prefixes = zeros_appended_prefixes(out.calls, text)
-            if runs_numbers_together(out.calls, text):
-                prefixes |= run_together_prefixes(text)
+            prefixes = zeros_appended_prefixes(out.calls, text, grounding)
+            if runs_numbers_together(out.calls, text, grounding):
+                prefixes |= run_together_prefixes(text, grounding)
             if prefixes:
                 again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
                                      on_text, exclude=only, integer_prefixes=prefixes)
@@ -387,11 +388,11 @@ class LocalEngine:
         """The tool of the highest calibrated score for the call of ``out`` (``agent.tool_prior``) among the
         tools whose name's first token the model gives at least :data:`agent.tool_prior.MIN_PROBABILITY` after
         the conversation, where it is not the tool the decode chose; None where it is, where fewer than two tools
-        are candidates, where the turn's text does not write the name as ``"name": "…"`` after tokens of its own,
-        or where the scoring prompt does not fit the context."""
+        are candidates, where the turn's text does not write the name as ``"name": "…"`` after tokens of its own
+        (or its tokens and prompt are not known), or where the scoring prompt does not fit the context."""
         name = out.calls[0].get("name")
         span = name_span(out.text, name)
-        if span is None:
+        if span is None or not out.prompt:
             return None
         start, closing = span
         opening = opening_tokens(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False), out.tokens,
@@ -405,11 +406,9 @@ class LocalEngine:
         then = self._closings.get(closing)
         if then is None:
             then = self._closings[closing] = tokens_starting_with(self.tokenizer, closing)
-        several = parallel_tool_calls is True
-        prompt = self.format.render(messages, list(tools), several=several)
-        free = self.format.render(content_free_messages(messages), list(tools), several=several)
+        free = self.format.render(content_free_messages(messages), list(tools), several=parallel_tool_calls is True)
         try:
-            scores = self.generator.continuation_logprobs(prompt, conts, prefix=ids, then=then,
+            scores = self.generator.continuation_logprobs(out.prompt, conts, prefix=ids, then=then,
                                                           floor=math.log(MIN_PROBABILITY))
             kept = [k for k, v in enumerate(scores) if v != float("-inf")]
             if len(kept) < 2:
@@ -486,7 +485,7 @@ class LocalEngine:
             whole = [c for c, _ in self.format.complete_calls(text)] if is_call and parallel else []
             calls = whole or None
         return DecodedTurn(text, calls, is_call, stop, out.stats, self.generator.resolve_drafter(config.drafter),
-                           list(out.tokens))
+                           list(out.tokens), list(ids))
 
     def check(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
               response_format: Any = None, parallel_tool_calls: bool | None = None,

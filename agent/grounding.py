@@ -230,13 +230,14 @@ def _number_runs(text: str) -> list[list[str]]:
     return runs
 
 
-def run_together_values(text: str) -> set[int]:
+def run_together_values(text: str, grounding: Grounding | None = None) -> set[int]:
     """The integers that running adjacent items of a list of integers ``text`` writes together gives, and that
     the text does not write itself (in digits or words: :class:`Grounding`): "the factorial of 5,10 and 15" →
     510, 1015, 51015. A decoded integer argument equal to one of them is the model copying the list's digits on
     past the item it meant (Qwen2.5-Coder-0.5B wrote 510, 15 and 1520 for "5,10 and 15", "1,5 and 10" and "15, 20
-    and 30"; dev split, docs/benchmarks.md "Numbers written side by side")."""
-    written = Grounding(text).numbers
+    and 30"; dev split, docs/benchmarks.md "Numbers written side by side"). ``grounding``: ``Grounding(text)``
+    where the caller has it (else built here)."""
+    written = (grounding or Grounding(text)).numbers
     out = set()
     for run in _number_runs(text):
         for i in range(len(run)):
@@ -256,40 +257,41 @@ def _written_starts(grounding: Grounding) -> set[str]:
     return {w[:i] for w in written for i in range(1, len(w) + 1)}
 
 
-def run_together_prefixes(text: str) -> frozenset[str]:
+def run_together_prefixes(text: str, grounding: Grounding | None = None) -> frozenset[str]:
     """The prefixes that keep integers from running the items of a list ``text`` writes together: each item's
     digits and the next item's first digit (``"5,10 and 15"`` → ``{"51", "101"}``), less any prefix of a number
     the text writes itself, in digits or words (``"5, 10 and 51"``: 51 is written). Empty past
     :data:`MAX_RUN_TOGETHER_PREFIXES`. The engine decodes a turn again with integers starting so taken out of the
-    grammar (``schemas.narrow.integers_without_prefixes``) where a call holds a :func:`run_together_values` value."""
-    starts = _written_starts(Grounding(text))
+    grammar (``schemas.narrow.integers_without_prefixes``) where a call holds a :func:`run_together_values` value.
+    ``grounding``: ``Grounding(text)`` where the caller has it (else built here)."""
+    starts = _written_starts(grounding or Grounding(text))
     prefixes = {a + b[0] for run in _number_runs(text) for a, b in zip(run, run[1:])
                 if a != "0" and a + b[0] not in starts}
     return frozenset(prefixes) if len(prefixes) <= MAX_RUN_TOGETHER_PREFIXES else frozenset()
 
 
-def runs_numbers_together(calls: list[dict], text: str) -> bool:
+def runs_numbers_together(calls: list[dict], text: str, grounding: Grounding | None = None) -> bool:
     """Whether one of ``calls`` holds a non-negative integer argument (at any depth) equal to a
-    :func:`run_together_values` value of ``text``."""
+    :func:`run_together_values` value of ``text`` (``grounding``: ``Grounding(text)`` where the caller has it)."""
     values = None
     for call in calls:
         for v in leaf_values(call.get("arguments")):
             if isinstance(v, int) and not isinstance(v, bool) and v >= 10:
-                values = run_together_values(text) if values is None else values
+                values = run_together_values(text, grounding) if values is None else values
                 if v in values:
                     return True
     return False
 
 
-def zeros_appended_prefixes(calls: list[dict], text: str) -> frozenset[str]:
+def zeros_appended_prefixes(calls: list[dict], text: str, grounding: Grounding | None = None) -> frozenset[str]:
     """The prefixes that keep integers from running on in zeros past a number ``text`` writes: for each integer
     argument of ``calls`` (at any depth) that the text does not write (:class:`Grounding`) and that is a written
     integer of two or more digits followed by zeros (``500000`` for "a maximum cost of $50", ``100`` for "the
     next 10 years"), that integer's digits and a ``0`` (``"500"``, ``"100"``), less any prefix of a number the
     text writes itself. Qwen2.5-Coder-0.5B writes digits one token at a time and, after a number, sometimes goes on
     writing zeros (dev split: ``multiple_39``, ``parallel_23``, ``parallel_multiple_7``, docs/benchmarks.md "Zeros
-    after a number"). The engine decodes such a turn again with integers starting so taken out of the grammar."""
-    grounding = None
+    after a number"). The engine decodes such a turn again with integers starting so taken out of the grammar.
+    ``grounding``: ``Grounding(text)`` where the caller has it (else built here when needed)."""
     found: set[str] = set()
     for call in calls:
         for v in leaf_values(call.get("arguments")):
