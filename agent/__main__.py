@@ -70,7 +70,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_at_least(1), default=256)
     p.add_argument("--no-grounding", dest="grounding", action="store_false",
                    help="return calls as decoded: keep optional arguments the conversation does not write, and "
-                        "never decode a turn again whose calls take nothing from it (agent/grounding.py)")
+                        "never decode a turn again whose calls take nothing from it, nor add calls for the items "
+                        "of a written list (agent/grounding.py, agent/parallel_calls.py)")
     p.add_argument("--no-close-at-model-end", dest="close_at_model_end", action="store_false",
                    help="where the model asks to end inside a call it is writing, keep it writing (the grammar masks "
                         "its end) instead of closing the call there (EngineConfig.close_at_model_end)")

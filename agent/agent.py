@@ -65,7 +65,10 @@ class RunResult:
 class Event:
     """A streaming event from :meth:`Agent.stream`.
 
-    ``type`` is one of ``"token"`` (``text``: the new text), ``"tool_call_started"`` (``call``: ToolCall),
+    ``type`` is one of ``"token"`` (``text``: the new text), ``"discard"`` (the ``token`` events of the turn so far
+    are void: the engine decodes the turn again, e.g. with a tool the conversation fits better
+    (``agent.grounding``, ``agent.tool_prior``), and the returned turn's text follows in new ``token`` events),
+    ``"tool_call_started"`` (``call``: ToolCall),
     ``"tool_call_finished"`` (``record``: ToolCallRecord), ``"final_answer"`` (``text``, ``output``),
     ``"stats"`` (``stats``: DecodeStats of the turn), ``"done"`` (``result``: RunResult).
     """
@@ -77,6 +80,15 @@ class Event:
     output: Any = None
     stats: DecodeStats | None = None
     result: RunResult | None = None
+
+
+def _takes_on_discard(engine: Any) -> bool:
+    """Whether ``engine.turn`` takes ``on_discard`` (engines written before it was added to the protocol do not)."""
+    try:
+        params = inspect.signature(engine.turn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "on_discard" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Agent:
@@ -307,6 +319,10 @@ class Agent:
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise ValueError(f"parallel_tool_calls must be True, False or None, got {parallel_tool_calls!r}")
         on_text = None if emit is None else (lambda text: emit(Event("token", text=text)))
+        # a turn decoded again: the token events since the turn began are void ("discard"); an engine of the
+        # protocol before on_discard is called without it
+        streaming = {"on_discard": lambda: emit(Event("discard"))} if emit is not None and _takes_on_discard(
+            self.engine) else {}
         emit = emit or (lambda event: None)
         messages = self._initial_messages(prompt)
         response = None if response_format is None else ResponseFormat(response_format)
@@ -323,7 +339,7 @@ class Agent:
                     break
             out = self.engine.turn(messages, list(self.registry), choice,
                                    response.schema if response else None, parallel_tool_calls,
-                                   config.override(max_new_tokens=budget), on_text)
+                                   config.override(max_new_tokens=budget), on_text, **streaming)
             result.stats = result.stats + out.stats
             result.steps += 1
             result.raw_turns.append(out.text)

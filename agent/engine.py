@@ -24,9 +24,9 @@ from schemas import Tool
 
 from .formats import ToolFormat, make_format
 from .formats.chat import plain_text_encoder
-from .grounding import (Grounding, conversation_text, grounded_call, run_together_prefixes, runs_numbers_together,
-                        takes_from_conversation, zeros_appended_prefixes)
-from .parallel_calls import ParallelCallsEnd
+from .grounding import (Grounding, conversation_text, grounded_call, last_user_text, run_together_prefixes,
+                        runs_numbers_together, takes_from_conversation, zeros_appended_prefixes)
+from .parallel_calls import ParallelCallsEnd, with_written_list_items
 from .tool_choice import filter_tools
 from .tool_prior import (MIN_PROBABILITY, PriorCache, calibrated_pick, content_free_messages, name_span,
                          opening_tokens, tokens_starting_with)
@@ -69,7 +69,9 @@ class EngineConfig:
             whose call runs the items of a list of numbers the conversation writes together ("5,10 and 15" →
             ``510``: ``agent.grounding.runs_numbers_together``) or writes zeros on past a written number ("$50"
             → ``500000``: ``agent.grounding.zeros_appended_prefixes``) is decoded again with integers starting so
-            (``51``, ``101``, ``500``) taken out of the grammar. On by default; False returns the calls as the
+            (``51``, ``101``, ``500``) taken out of the grammar; where several calls are asked for, a call is
+            added per item of a written list of numbers the calls go over and miss
+            (``agent.parallel_calls.with_written_list_items``). On by default; False returns the calls as the
             grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
@@ -202,7 +204,8 @@ class Engine(Protocol):
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
-             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
+             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None,
+             on_discard: Callable[[], None] | None = None) -> DecodedTurn:
         """Decode the assistant turn that follows ``messages``.
 
         Args:
@@ -220,6 +223,9 @@ class Engine(Protocol):
                 ends it (if it may), or at the budget (then its whole calls are returned).
             config: drafter, γ, caps, sampling and budget.
             on_text: called with each new piece of text as it is decoded (streaming).
+            on_discard: called where the text passed to ``on_text`` so far is void (the engine decodes the turn
+                again, or returns an earlier decode and passes its text again): what ``on_text`` saw after the
+                last call is the returned turn's text. An engine that never decodes a turn twice never calls it.
         """
         ...
 
@@ -299,24 +305,61 @@ class LocalEngine:
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
-             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
+             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None,
+             on_discard: Callable[[], None] | None = None) -> DecodedTurn:
         """See :meth:`Engine.turn`. Raises ``ToolCallError`` for a ``tool_choice`` naming an unknown tool.
 
         With ``config.grounding`` (the default) the calls are judged by where their values come from
         (``agent.grounding``): a turn none of whose calls takes a value from the conversation is decoded again
         with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
-        text answer once no tool is left or the retries are spent; under ``"required"`` the first turn stands if
-        no retry takes from the conversation), optional arguments holding values the conversation does not
-        write are dropped (then percents and copied enum lists are read: ``agent.grounding.grounded_call``), and a
-        turn that runs the items of a written list of numbers together (``510`` for "5,10 and 15") or writes zeros
-        on past a written number (``500000`` for "$50") is decoded again with such integers taken out of the
-        grammar. Before those, with ``config.tool_prior`` (the default), a turn of one call out of two or more
+        text answer once no tool is left or the retries are spent, decoded again where it only restates a call as
+        JSON; under ``"required"`` the first turn stands if no retry takes from the conversation), optional
+        arguments holding values the conversation does not write are dropped (then percents and copied enum lists
+        are read: ``agent.grounding.grounded_call``), and a turn that runs the items of a written list of numbers
+        together (``510`` for "5,10 and 15") or writes zeros on past a written number (``500000`` for "$50") is
+        decoded again with such integers taken out of the grammar; where several calls are asked for
+        (``parallel_tool_calls=True``), the calls are completed over a written list of numbers they go over
+        (``agent.parallel_calls.with_written_list_items``). Before those, with ``config.tool_prior`` (the
+        default), a turn of one call out of two or more
         callable tools is decoded again restricted to the tool the model's prior points to where that differs
         (``agent.tool_prior``). ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
-        ``on_text`` sees every decode's text, a discarded call's too.
+        ``on_text`` sees every decode's text, a discarded call's too; ``on_discard`` (with ``on_text``) is called
+        before each decode past the first, and where the turn returned is an earlier decode than the last one
+        streamed, or its text was cut after it streamed (a several-call turn's dropped call), it is called again
+        and the returned text goes to ``on_text`` once more (a closing the engine wrote after the decoded text
+        goes to it too): the text ``on_text`` saw after the last ``on_discard`` is the returned turn's ``text``.
         """
+        shown: list[DecodedTurn] = []  # the decodes whose text on_text saw, in order
+        streamed: list[str] = []  # the pieces on_text saw of the last decode
+        discard, stream = (on_discard, on_text) if on_text is not None else (None, None)
+        if discard is not None:
+            def on_text(piece: str) -> None:
+                streamed.append(piece)
+                stream(piece)
+
+        def decode(*args, **kwargs) -> DecodedTurn:
+            if shown and discard is not None:
+                discard()  # the text streamed so far is void: the turn is decoded again
+                streamed.clear()
+            shown.append(self._decode(*args, **kwargs))
+            return shown[-1]
+
+        out = self._turn(decode, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        if discard is not None and shown:
+            seen = "".join(streamed)
+            if out is shown[-1] and out.text.startswith(seen):
+                if out.text != seen:
+                    stream(out.text[len(seen):])  # a closing the engine wrote after the decoded text
+            else:  # an earlier decode is returned, or the last one's text was cut (a several-call turn's end rule)
+                discard()
+                stream(out.text)
+        return out
+
+    def _turn(self, decode, messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+              on_text) -> DecodedTurn:
+        """The body of :meth:`turn`; ``decode``: its decode of the turn (``_decode``'s arguments)."""
         allowed, mode = filter_tools(tools, tool_choice)
-        out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
         text = conversation_text(messages)
         grounding = Grounding(text) if out.calls and (config.grounding or config.tool_prior) else None
         only: set | None = None  # tools masked out of every later decode: all but the prior's pick
@@ -325,8 +368,8 @@ class LocalEngine:
             pick = self._prior_pick(messages, tools, parallel_tool_calls, out, allowed)
             if pick is not None:
                 masked = {t.name for t in allowed if t.name != pick}
-                again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                                     on_text, exclude=masked)
+                again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                               on_text, exclude=masked)
                 again.stats = out.stats + again.stats
                 took = any(takes_from_conversation(c, grounding) for c in out.calls)
                 if (again.calls and not (again.truncated and not out.truncated)
@@ -343,8 +386,8 @@ class LocalEngine:
             if runs_numbers_together(out.calls, text, grounding):
                 prefixes |= run_together_prefixes(text, grounding)
             if prefixes:
-                again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                                     on_text, exclude=only, integer_prefixes=prefixes)
+                again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                               on_text, exclude=only, integer_prefixes=prefixes)
                 again.stats = out.stats + again.stats
                 if again.truncated and not out.truncated:
                     out.stats, prefixes = again.stats, frozenset()
@@ -355,8 +398,8 @@ class LocalEngine:
             # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
             # answer is wanted (after tool results, or under "none"): decoded again as an answer that cannot
             # start with a backtick (a code block, or "``json" around the fence)
-            again = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                                 on_text, answer_only=True, answer_excludes=("`",))
+            again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                           on_text, answer_only=True, answer_excludes=("`",))
             again.stats = out.stats + again.stats
             out = again
         if not config.grounding or not out.calls:
@@ -370,17 +413,29 @@ class LocalEngine:
                 out = first  # no other tool takes from the conversation either: the model's first choice
                 break
             final = mode == "auto" and (not left or retries == 0)
-            out = self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                               on_text, exclude=None if final else excluded, answer_only=final,
-                               integer_prefixes=prefixes)
+            out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                         on_text, exclude=None if final else excluded, answer_only=final,
+                         integer_prefixes=prefixes)
             stats = stats + out.stats
             retries -= 1
             if out.truncated and out.is_call:
                 out = first  # a retry cut by the budget: the first turn stands
                 break
+            if (final and response_format is None and out.stop_reason != "length"
+                    and restates(out.text, tools, messages)):
+                # the answer the grounding fell back to only writes a call as JSON ("What is the capital of
+                # France?" → ```json {"name": "get_weather", …}): decoded again as prose (no backtick or brace
+                # first: a bare {"name": …} is how the format writes a call)
+                out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                             on_text, answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes)
+                stats = stats + out.stats
         out.stats = stats
         if out.calls:
             out.calls = distinct_calls([grounded_call(c, allowed, grounding) for c in out.calls])
+            if parallel_tool_calls is True and mode != "none":
+                # several asked for: a call per item of a written list of numbers the calls go over
+                out.calls = with_written_list_items(out.calls, allowed, last_user_text(messages),
+                                                    config.max_parallel_calls)
         return out
 
     def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,

@@ -26,13 +26,18 @@ dev split (docs/benchmarks.md, "Values from the conversation" and the sections n
   prompt is unchanged, so its KV cache is reused); under ``tool_choice="auto"`` with no tool left, or once the
   retries are spent, the turn is a text answer; under ``"required"`` the first call stands when no tool's call
   takes from the conversation.
+* **items of a written list** (:func:`written_number_lists`, applied by
+  ``agent.parallel_calls.with_written_list_items``): where several calls are asked for and the calls go over a
+  list of numbers the user writes ("for 1,5 and 10 years"), an item no call holds gets its call.
 
 The rules read text, not meaning: a value the model translates ("上海" → "Shanghai"), converts ("five" → 5) or
 infers correctly from no words at all counts as not written.
 """
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from schemas import Tool, ToolCallError
@@ -103,16 +108,22 @@ def compound_numbers(text: str) -> set[int]:
 def conversation_text(messages: list[dict]) -> str:
     """The text a call's values may come from: every ``system``, ``developer``, ``user`` and ``tool`` message's
     content (text parts of a list content), joined by newlines."""
-    parts = []
-    for m in messages:
-        if m.get("role") not in ("system", "developer", "user", "tool"):
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return "\n".join(parts)
+    return "\n".join(_content_text(m) for m in messages if m.get("role") in ("system", "developer", "user", "tool")
+                     and isinstance(m.get("content"), (str, list)))
+
+
+def last_user_text(messages: list[dict]) -> str:
+    """The content of the last ``user`` message (its text parts joined by newlines); "" where there is none."""
+    return next((_content_text(m) for m in reversed(messages) if m.get("role") == "user"), "")
+
+
+def _content_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 def leaf_values(value: Any) -> Iterator[Any]:
@@ -217,7 +228,8 @@ def _number_runs(text: str) -> list[list[str]]:
     prev = None
     for m in _NUMBER.finditer(text):
         digits = m.group().replace(",", "")
-        whole = _ASCII_INTEGER.fullmatch(digits) is not None and not m.group().startswith("-")
+        whole = (_ASCII_INTEGER.fullmatch(digits) is not None and not m.group().startswith("-")
+                 and len(digits) <= MAX_LIST_DIGITS)
         if prev is not None and whole and _LIST_GAP.fullmatch(text, prev.end(), m.start()):
             run.append(digits)
         else:
@@ -228,6 +240,92 @@ def _number_runs(text: str) -> list[list[str]]:
     if len(run) >= 2:
         runs.append(run)
     return runs
+
+
+# what separates the items of a written list of numbers that several calls go over: "1,5 and 10", "15, 20 and
+# 30", "2018 and 2020" (no "or", "/" or ";": alternatives, dates and fractions are no such lists)
+_ITEM_GAP = re.compile(r"[ \t]*,[ \t]*(?:and[ \t]+)?[$€£]?|[ \t]+and[ \t]+[$€£]?", re.IGNORECASE)
+_SIGNED_INTEGER = re.compile(r"-?\d+")
+_SENTENCE_END = re.compile(r"[.;:!?\n](?:\s|$)")
+_LETTER = re.compile(r"[^\W\d_]")
+# words before a list's first item that make it a range: "between 5 and 12", "between the ages of roughly 5 and
+# 12", "from 5 to 10, and 20", "from 5 through 12 and 15"
+_RANGE_BEFORE = re.compile(r"\bbetween\b(?:\s+[^\s\d]+){0,6}\s*[$€£]?$|\b(?:to|through|thru|until)\s*[$€£]?$",
+                           re.IGNORECASE)
+MAX_LIST_DIGITS = 300  # a longer integer is no list item (past a float's range; Python parses 4300 digits at most)
+
+
+@dataclass(frozen=True)
+class WrittenList:
+    """A list of numbers :func:`written_number_lists` read: its ``items``, and the text of its sentence within 40
+    characters ``before`` its first item and ``after`` its last (the words that say what the numbers count: "a
+    loan term of" 15, 20 and 30 "years")."""
+
+    items: list
+    before: str = ""
+    after: str = ""
+
+
+# a number joined to the next by "/", ":" or "-": part of a date, time, ratio or range ("12/25", "5:30", "5-10")
+_JOINED_AFTER = re.compile(r"[/:-]\d")
+# a month's name before a number: a date ("May 1, 2022"), whose day and year are no list
+_MONTH_BEFORE = re.compile(r"\b(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|"
+                           r"sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)\.?\s*$", re.IGNORECASE)
+
+
+def written_number_lists(text: str) -> list[WrittenList]:
+    """The lists of two or more numbers ``text`` writes with a comma or "and" between each item and the next, the
+    last gap holding "and" ("for 1,5 and 10 years" → ``[1, 5, 10]``; "15, 20 and 30"; "in 2018 and 2020"), each
+    number as :func:`number_key` gives it (an integer literal exactly), a repeated item once. A number written as
+    a percent, a scaled number ("$1.2M"), one out of a float's range, a date's day after its month ("May 1,
+    2022": its year is no item either), a number joined to another by "/", ":" or "-" ("12/25", "5:30", "5-10")
+    or to a letter ("15th"), or with anything else between it and the next ("2 apples and 3 pears", a line
+    break; a currency sign may open an item: "$50, $75 and $100") ends a list; two numbers with a comma between
+    ("In 2020, 15 employees", "40.7, -74.0", "order 12345, and 2 items") and a range ("between 5 and 10", "between
+    the ages of 5 and 12", "from 5 to 10, and 20", "from 5 through 12 and 15") are no lists."""
+    text = text.replace("\u2212", "-")
+    lists: list[WrittenList] = []
+    run: list[int | float] = []
+    start, prev, day, anded, comma = 0, None, None, False, False
+    seen: set = set()  # the items of the run (a repeated item once)
+    written = 0  # the numbers the run writes, repeats counted
+
+    def close() -> None:
+        if (len(run) >= 2 and anded and not (written == 2 and comma)  # "12345, and 2 items": no list of two
+                and not _RANGE_BEFORE.search(text, max(0, start - 60), start)):
+            before = _SENTENCE_END.split(text[max(0, start - 40):start])[-1]
+            lists.append(WrittenList(list(run), before, _SENTENCE_END.split(text[prev.end():prev.end() + 40])[0]))
+
+    for m in _NUMBER.finditer(text):
+        literal = m.group().replace(",", "")
+        if len(literal) > MAX_LIST_DIGITS:
+            value = float("inf")  # ends a list, as a number past a float's range does
+        else:
+            value = int(literal) if _SIGNED_INTEGER.fullmatch(literal) else number_key(float(literal))
+        dated = _MONTH_BEFORE.search(text, max(0, m.start() - 12), m.start()) is not None
+        year = day is not None and re.fullmatch(r"\s*,\s*", text[day.end():m.start()]) is not None
+        day = m if dated else None
+        joined = ((m.start() > 0 and text[m.start() - 1] in "/:-") or _JOINED_AFTER.match(text, m.end())
+                  or _LETTER.match(text, m.end()))  # "15th", "3rd"
+        plain = not (_PERCENT.match(text, m.end()) or _SCALE.match(text, m.end()) or dated or year or joined
+                     or not math.isfinite(value))
+        gap = _ITEM_GAP.fullmatch(text, prev.end(), m.start()) if prev is not None and plain else None
+        if gap is not None:
+            written += 1
+            if value not in seen:
+                run.append(value)
+                seen.add(value)
+            anded = "and" in gap.group().lower()
+            comma = comma or "," in gap.group()
+        else:
+            if prev is not None:
+                close()
+            run, start, anded, comma = ([value], m.start(), False, False) if plain else ([], m.start(), False, False)
+            seen, written = set(run), len(run)
+        prev = m if plain else None
+    if prev is not None:
+        close()
+    return lists
 
 
 def run_together_values(text: str, grounding: Grounding | None = None) -> set[int]:

@@ -15,15 +15,23 @@ ends the turn there, from the calls alone:
   values is such a value (the whole call would end it too), so a runaway invented value (a list of made-up names
   until the budget) cannot cut the turn;
 * **cap**: the turn holds ``max_calls`` calls.
+
+After the decode, :func:`with_written_list_items` completes a turn where several calls were asked for over a list
+of numbers the user's last message writes: where the calls of one tool differ only in one argument, each holding
+an item of the list, a call is added per item no call of the tool holds (the model asked for "a loan term of 15,
+20 and 30 years" writes the 15-year call and then repeats it).
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Iterator
 
+from schemas import Tool, ToolCallError
+
 from .formats import ToolFormat
-from .grounding import Grounding, leaf_values, number_key
+from .grounding import Grounding, leaf_values, number_key, written_number_lists
 
 
 def _value_key(value: Any) -> str:
@@ -122,3 +130,99 @@ class ParallelCallsEnd:
             return False
         self.text = self.fmt.calls_text(text, found[keep - 1][1])
         return True
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number_keys(value: Any) -> set:
+    """The keys (``number_key``) of every number ``value`` holds at any depth, a string that is only a number
+    (``"10"``) too."""
+    keys = set()
+    for v in leaf_values(value):
+        if isinstance(v, str):
+            try:
+                v = float(v.strip())
+            except ValueError:
+                continue
+            if not math.isfinite(v):
+                continue
+        if _is_number(v):
+            keys.add(number_key(v))
+    return keys
+
+
+def _words(text: str) -> set[str]:
+    """The words of ``text`` (an argument's name split at ``_`` and case changes too), lower case, a final "s"
+    dropped, three letters or more."""
+    return {w.lower().removesuffix("s") for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", text) if len(w) >= 3}
+
+
+def with_written_list_items(calls: list[dict], tools: list[Tool], text: str, max_calls: int) -> list[dict]:
+    """``calls`` (a turn where several calls were asked for) completed over the lists of numbers ``text`` writes
+    (the last user message: :func:`agent.grounding.written_number_lists`, "for 1,5 and 10 years"). A group is the
+    calls of one tool whose arguments are equal but for one top-level argument, a number in each; it goes over a
+    list where that list is the only one holding all of those numbers, no call of the group holds an item of it
+    in another argument (``add(a=1, b=2)`` for "the sum of 1, 2 and 3"), and no other call of the tool holds an
+    item of it in that argument. A lone call goes over a list only where its number is the list's first item and
+    a word of the argument's name is written beside the list in its sentence (``WrittenList.before``/``after``:
+    "a loan term of 15, 20 and 30" for ``loan_term``; not "hour 2. Days 1, 2 and 3" for ``hour``). For each item
+    of that list no call of the tool holds anywhere (at any depth; a string that is only a number counts), a call
+    is added: the group's last call with that argument set to the item (an integer where that call held one),
+    placed before the group's first call of an item later in the list (else after the group), where it validates
+    against its tool among ``tools``, until the turn holds ``max_calls`` calls. Qwen2.5-Coder-0.5B asked for
+    several calls writes the first item's call and then repeats it, or skips the middle item ("1,5 and 10" → the
+    1- and 10-year calls; dev split, docs/benchmarks.md "Items of a written list"). Calls naming a tool not in
+    ``tools``, and anything not a call object, are left alone.
+
+    The rule reads text, not meaning: a list the user says to leave ("pages 1, 2 and 3 I have read; show me page
+    1") is completed all the same."""
+    lists = written_number_lists(text)
+    if not lists or len(calls) >= max_calls:
+        return calls
+    by_name = {t.name: t for t in tools}
+    out = list(calls)
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+            continue
+        args, tool = call["arguments"], by_name.get(call.get("name"))
+        if tool is None:
+            continue
+        for key, value in args.items():
+            if not _is_number(value):
+                continue
+            same_tool = [c for c in out if isinstance(c, dict) and c.get("name") == call.get("name")
+                         and isinstance(c.get("arguments"), dict)]
+            group = [c for c in same_tool if c["arguments"].keys() == args.keys() and _is_number(c["arguments"][key])
+                     and all(c["arguments"][k] == v for k, v in args.items() if k != key)]
+            values = {number_key(c["arguments"][key]) for c in group}
+            fits = [x for x in lists if values <= set(x.items)]
+            if len(group) == 1:
+                fits = [x for x in fits if x.items[0] == number_key(value)
+                        and _words(key) & _words(x.before + " " + x.after)]
+            if len(fits) != 1:
+                continue  # no list, or more than one: no one way to go on
+            items = fits[0].items
+            if any(_number_keys({k: v for k, v in c["arguments"].items() if k != key}) & set(items) for c in group):
+                continue  # the group's calls take other items of the list in other arguments
+            if any(c not in group and _is_number(c["arguments"].get(key)) and number_key(c["arguments"][key]) in items
+                   for c in same_tool):
+                continue  # another call of the tool holds an item there
+            held = set().union(*(_number_keys(c["arguments"]) for c in same_tool))
+            for item in items:
+                if item in held or len(out) >= max_calls:
+                    continue
+                last = group[-1]["arguments"]
+                new = {**group[-1], "arguments": {**last, key: item if isinstance(last[key], int) else float(item)}}
+                try:
+                    tool.validate(new["arguments"])
+                except ToolCallError:
+                    continue
+                # before the group's first call of an item later in the list, else after the group
+                rank = items.index(item)
+                later = [out.index(c) for c in group if items.index(number_key(c["arguments"][key])) > rank]
+                out.insert(min(later) if later else max(out.index(c) for c in group) + 1, new)
+                group.append(new)
+                held.add(item)
+    return out

@@ -94,8 +94,11 @@ class OpenAIEngine:
 
     def turn(self, messages: list[dict], tools: list[Tool], tool_choice: Any = "auto",
              response_format: dict | None = None, parallel_tool_calls: bool | None = None,
-             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None) -> DecodedTurn:
-        """See :class:`~agent.engine.Engine`. With ``on_text`` the turn is streamed (content deltas are passed on).
+             config: EngineConfig = EngineConfig(), on_text: Callable[[str], None] | None = None,
+             on_discard: Callable[[], None] | None = None) -> DecodedTurn:
+        """See :class:`~agent.engine.Engine`. With ``on_text`` the turn is streamed (content deltas are passed on);
+        ``on_discard`` is never called: a server streams only text its final answer starts with (this project's
+        server holds what it may decode again).
 
         Raises:
             openai.APIError: the server refused the request or failed (status and message kept).

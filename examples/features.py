@@ -50,6 +50,8 @@ banner("streaming events")
 for ev in Agent(tools=[get_weather]).stream("Weather in London?", tool_choice="required", max_new_tokens=64):
     if ev.type == "token":
         print(ev.text, end="", flush=True)
+    elif ev.type == "discard":  # the turn is decoded again: the text above is void
+        print("\n  [decoded again]")
     elif ev.type == "tool_call_started":
         print(f"\n  [tool_call_started {ev.call.name} {ev.call.arguments}]")
     elif ev.type == "tool_call_finished":

@@ -45,10 +45,11 @@ def calls_of(output: str) -> list[dict] | None:
     return [c for c in value if isinstance(c, dict)] if isinstance(value, list) else None
 
 
-def main(paths: list[str]) -> int:
+def recorded_turns(paths: list[str]):
+    """``(qid, recorded verdict, BfclTurn, calls)`` for each question of the TSVs ``paths`` (a question in several
+    files: its first row) whose recorded output holds calls, irrelevance questions left out."""
     rows: dict[str, dict] = {}
     seen: set[str] = set()
-    turns = won = lost = same_verdict = again = 0
     for path in paths:
         for line in open(path):
             parts = line.rstrip("\n").split("\t")
@@ -62,28 +63,46 @@ def main(paths: list[str]) -> int:
             if category not in rows:
                 rows[category] = {r["id"]: r for r in load_questions(category)}
             calls = calls_of(parts[3])
-            if not calls:
-                continue
-            turns += 1
-            turn = bfcl_turn(rows[category][qid], category)
-            text = conversation_text(turn.messages)
-            grounding = Grounding(text)
-            prefixes = zeros_appended_prefixes(calls, text) | (
-                run_together_prefixes(text) if runs_numbers_together(calls, text) else frozenset())
-            if prefixes:
-                again += 1
-                print(f"{qid}\t{parts[2]}\tagain\t{sorted(prefixes)}")
-            before = [without_unwritten_optional(c, turn.tools, grounding) for c in calls]
-            now = [grounded_call(c, turn.tools, grounding) for c in calls]
-            if now == before:
-                continue
-            was, right = bool(turn.check(before)), bool(turn.check(now))
-            won += right and not was
-            lost += was and not right
-            same_verdict += right == was
-            print(f"{qid}\t{int(was)} -> {int(right)}\t{json.dumps([c.get('arguments') for c in now])[:300]}")
-    print(f"turns {turns}; the rules of now change the calls of {won + lost + same_verdict}: won {won}, lost {lost}; "
-          f"decoded again for numbers run on: {again}")
+            if calls:
+                yield qid, parts[2], bfcl_turn(rows[category][qid], category), calls
+
+
+class Tally:
+    """Counts the questions whose calls a rule changes, and prints each: its verdict before and after."""
+
+    def __init__(self):
+        self.won = self.lost = self.same = 0
+
+    def add(self, qid: str, turn, before: list[dict], after: list[dict]) -> None:
+        if after == before:
+            return
+        was, right = bool(turn.check(before)), bool(turn.check(after))
+        self.won += right and not was
+        self.lost += was and not right
+        self.same += right == was
+        print(f"{qid}\t{int(was)} -> {int(right)}\t{json.dumps([c.get('arguments') for c in after])[:300]}")
+
+    @property
+    def changed(self) -> int:
+        return self.won + self.lost + self.same
+
+
+def main(paths: list[str]) -> int:
+    turns = again = 0
+    tally = Tally()
+    for qid, verdict, turn, calls in recorded_turns(paths):
+        turns += 1
+        text = conversation_text(turn.messages)
+        grounding = Grounding(text)
+        prefixes = zeros_appended_prefixes(calls, text) | (
+            run_together_prefixes(text) if runs_numbers_together(calls, text) else frozenset())
+        if prefixes:
+            again += 1
+            print(f"{qid}\t{verdict}\tagain\t{sorted(prefixes)}")
+        before = [without_unwritten_optional(c, turn.tools, grounding) for c in calls]
+        tally.add(qid, turn, before, [grounded_call(c, turn.tools, grounding) for c in calls])
+    print(f"turns {turns}; the rules of now change the calls of {tally.changed}: won {tally.won}, lost "
+          f"{tally.lost}; decoded again for numbers run on: {again}")
     return 0
 
 

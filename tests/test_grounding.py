@@ -118,8 +118,8 @@ def _scripted_decodes(monkeypatch, engine, turns):
     """Make ``engine._decode`` return ``turns`` in order; returns the list of (exclude, answer_only) it was asked."""
     asked = []
 
-    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset()):
-        asked.append((set(exclude or ()), answer_only))
+    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset(), answer_excludes=()):
+        asked.append((set(exclude or ()), answer_only) + ((answer_excludes,) if answer_excludes else ()))
         return turns[len(asked) - 1]
 
     monkeypatch.setattr(engine, "_decode", decode)
@@ -156,6 +156,21 @@ def test_auto_answers_in_text_once_no_tool_is_left(smol_dir, monkeypatch):
     asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn(None, text="I cannot tell the time.")])
     out = engine.turn(ASK_LIMA, [WEATHER], "auto")
     assert out.calls is None and out.text == "I cannot tell the time." and asked[1] == (set(), True)
+
+
+def test_the_text_answer_auto_falls_back_to_is_decoded_again_where_it_only_restates_a_call(smol_dir, monkeypatch):
+    """"What is the capital of France?" with a weather tool: the call takes nothing from the question, so the turn
+    is an answer; Qwen2.5-Coder-0.5B then wrote the call as a ```json fence (a helper's run)."""
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    fence = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn(None, text=fence),
+                                                    _turn(None, text="Paris.")])
+    out = engine.turn(ASK_LIMA, [WEATHER], "auto")
+    assert out.calls is None and out.text == "Paris." and asked[1:] == [(set(), True), (set(), True, ("`", "{"))]
+    assert out.stats.new_tokens == 15  # every decode counted
+    asked = _scripted_decodes(monkeypatch, engine, [_turn([PARIS]), _turn(None, text="Paris, I think.")])
+    assert engine.turn(ASK_LIMA, [WEATHER], "auto").text == "Paris, I think." and len(asked) == 2
 
 
 def test_calls_that_differ_only_in_dropped_arguments_are_returned_once(smol_dir, monkeypatch):
@@ -429,3 +444,208 @@ def test_a_turn_that_runs_on_in_zeros_is_decoded_again_without_such_integers(smo
     out = engine.turn([{"role": "user", "content": "A ride with a maximum cost of $50"}], [rides], "required")
     assert out.calls == [{"name": "rides", "arguments": {"max_cost": 50}}] and asked == [frozenset(), {"500"}]
     assert out.stats.new_tokens == 12
+
+
+def test_written_number_lists_are_items_between_commas_and_ands_not_ranges_or_percents():
+    from agent.grounding import written_number_lists
+
+    def lists(text):
+        return [x.items for x in written_number_lists(text)]
+
+    assert lists("an investment of $1000 at 5% for 1,5 and 10 years") == [[1, 5, 10]]
+    assert lists("a loan of $400,000 at 4% for 15, 20 and 30 years") == [[15, 20, 30]]
+    assert lists("president in 1980 and 2016, vice president in 1975 and 2011") == [[1980, 2016], [1975, 2011]]
+    assert lists("1,000, 2,000 and 3,000 units") == [[1000, 2000, 3000]]
+    assert lists("a number between 5 and 10") == [] and lists("kids between the ages of 5 and 12") == []
+    assert lists("pages from 5 to 10, and 20") == []
+    assert lists("rates of 5% and 10%") == [] and lists("$1.2M and 3") == []
+    assert lists("2 apples and 3 pears, 4 or 5 stars, on 5/10") == []
+    assert lists("sides 2.5, 3.5 and 2.5") == [[2.5, 3.5]]  # an item once
+    # a date is no list (test split, parallel_57: "adults": 2022 was added for "check-in on June 1, 2022")
+    assert lists("on May 1, 2022 and June 10, 2022; Sept. 3, 2021; 1 adult") == []
+    assert lists("in maybe 3, 4 and 5 days") == [[3, 4, 5]]
+    assert lists("December 25, 2023 and 1, 2") == []  # "1, 2": no "and" before the last item
+    assert lists("on 12/25 and 12/31, at 5:30 and 7:30, pages 5-10 and 15-20, the 5th and 10th") == []
+    # found by a helper: a comma alone is no list; numbers past a float's range; integers kept exact
+    assert lists("In 2020, 15 employees left") == [] and lists("40.7, -74.0") == [] and lists("1e400 and 2") == []
+    assert lists("ids 9007199254740993 and 2") == [[9007199254740993, 2]]
+    # a second helper's cases: a comma before "and" with two items; a line break; "roughly", "through"; $ items;
+    # an integer past a float's range (no crash)
+    assert lists("My order number is 12345, and 2 items are missing") == [] and lists("page 3\nand 5 results") == []
+    assert lists("kids between the ages of roughly 5 and 12") == [] and lists("from 5 through 12 and 15") == []
+    assert lists("$50, $75 and $100") == [[50, 75, 100]]
+    assert lists("1" + "0" * 400 + " and 5") == [] and lists("1" + "0" * 5000 + " and 5, 6 and 7") == [[5, 6, 7]]
+    found = written_number_lists("a loan term of 15, 20 and 30 years")[0]
+    assert found.before == "a loan term of " and found.after == " years"
+
+
+def _loan(term, amount=400000):
+    return {"name": "mortgage", "arguments": {"loan_amount": amount, "interest_rate": 0.04, "loan_term": term}}
+
+
+MORTGAGE = Tool("mortgage", "", {"type": "object", "properties": {
+    "loan_amount": {"type": "integer"}, "interest_rate": {"type": "number"},
+    "loan_term": {"type": "integer", "maximum": 40}}, "required": ["loan_amount", "interest_rate", "loan_term"]})
+
+
+def test_a_several_call_turn_gets_a_call_per_item_of_a_written_list_it_goes_over():
+    from agent.parallel_calls import with_written_list_items
+
+    text = "A loan of $400,000 at 4% for a loan term of 15, 20 and 30 years."
+    complete = [_loan(15), _loan(20), _loan(30)]
+    assert with_written_list_items([_loan(15)], [MORTGAGE], text, 8) == complete  # the lone call the model wrote
+    assert with_written_list_items([_loan(15), _loan(30)], [MORTGAGE], text, 8) == complete  # in the list's order
+    assert with_written_list_items([_loan(30), _loan(15)], [MORTGAGE], text, 8) == [_loan(20), _loan(30), _loan(15)]
+    assert with_written_list_items(complete, [MORTGAGE], text, 8) == complete
+    assert with_written_list_items([_loan(15)], [MORTGAGE], text, 2) == [_loan(15), _loan(20)]  # the cap
+    assert with_written_list_items([_loan(15)], [MORTGAGE], "a term of 15, 20 and 50 years", 8) == [
+        _loan(15), _loan(20)]  # 50 is past the schema's maximum
+    assert with_written_list_items([_loan(15)], [], text, 8) == [_loan(15)]  # a tool not given: left alone
+    # calls differing in two arguments are no group; an item another argument holds is not missing
+    assert with_written_list_items([_loan(15), _loan(20, 300000)], [MORTGAGE], text, 8) == [
+        _loan(15), _loan(20, 300000)]
+    area = Tool("area", "", {"type": "object", "properties": {"length": {"type": "number"},
+                                                             "width": {"type": "number"}}})
+    rectangle = [{"name": "area", "arguments": {"length": 5, "width": 10}}]
+    assert with_written_list_items(rectangle, [area], "a rectangle of length 5 and 10 m", 8) == rectangle
+    # a float argument gets float items; a number nested deeper is no group's argument
+    assert with_written_list_items([{"name": "area", "arguments": {"length": 2.0}}], [area],
+                                   "a length of 2, 3 and 4 m", 8) == [
+        {"name": "area", "arguments": {"length": x}} for x in (2.0, 3.0, 4.0)]
+    # a lone call goes over a list only where a word of its argument's name is written beside it (a helper's
+    # cases): "hour 2 ... days 1, 2 and 3"; the two calls of a group say which list on their own
+    hour = Tool("hour", "", {"type": "object", "properties": {"hour": {"type": "integer"}}})
+    lone = [{"name": "hour", "arguments": {"hour": 2}}]
+    assert with_written_list_items(lone, [hour], "The forecast for hour 2. Days 1, 2 and 3 are holidays.", 8) == lone
+    assert with_written_list_items([{"name": "hour", "arguments": {"hour": 1}}, {"name": "hour", "arguments": {
+        "hour": 3}}], [hour], "Get 1, 2 and 3.", 8) == [{"name": "hour", "arguments": {"hour": h}} for h in (1, 2, 3)]
+    # an item in two lists: which one is not known; the group's calls taking other items in other arguments
+    two = [{"name": "hour", "arguments": {"hour": 2}}]
+    assert with_written_list_items(two, [hour], "hours 2, 1 and 3; hours 2 and 4", 8) == two
+    # a lone call holding a later item: the user may have named it alone ("only for the 30 year term")
+    assert with_written_list_items([_loan(30)], [MORTGAGE], text, 8) == [_loan(30)]
+    # two tools over one list: each gets its missing items (an item another tool's call holds is still missing)
+    square = Tool("square", "", {"type": "object", "properties": {"n": {"type": "integer"}}})
+    fact = Tool("factorial", "", {"type": "object", "properties": {"n": {"type": "integer"}}})
+    both = [{"name": t, "arguments": {"n": n}} for t in ("factorial", "square") for n in (5, 10)]
+    assert with_written_list_items(both, [square, fact], "The factorial and the square of 5, 10 and 15.", 8) == [
+        {"name": t, "arguments": {"n": n}} for t in ("factorial", "square") for n in (5, 10, 15)][:2] + [
+        {"name": "factorial", "arguments": {"n": 15}}] + [
+        {"name": "square", "arguments": {"n": n}} for n in (5, 10, 15)]
+    # the type of the group's last call; anything not a call object is left alone
+    assert with_written_list_items([{"name": "square", "arguments": {"n": 5.0}}, {"name": "square", "arguments": {
+        "n": 7}}], [square], "5, 7 and 9", 8)[-1] == {"name": "square", "arguments": {"n": 9}}
+    assert with_written_list_items(["not a call", None, {"name": "square", "arguments": None}], [square],
+                                   "n of 5, 7 and 9", 8) == ["not a call", None, {"name": "square", "arguments": None}]
+    add = Tool("add", "", {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}})
+    pair = [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+    assert with_written_list_items(pair, [add], "What is the sum of a 1, 2 and 3?", 8) == pair
+    labelled = Tool("f", "", {"type": "object", "properties": {"n": {"type": "integer"}, "label": {"type": "string"}}})
+    held_as_text = [{"name": "f", "arguments": {"n": 5, "label": "10"}}]
+    assert with_written_list_items(held_as_text, [labelled], "n of 5 and 10", 8) == held_as_text
+    nested = Tool("n", "", {"type": "object", "properties": {"o": {"type": "object"}}})
+    deep = [{"name": "n", "arguments": {"o": {"x": 1}}}]
+    assert with_written_list_items(deep, [nested], "o of 1, 2 and 3", 8) == deep
+
+
+@pytest.mark.parametrize("parallel", [True, None, False])
+def test_the_engine_completes_a_written_list_only_where_several_calls_are_asked_for(smol_dir, monkeypatch, parallel):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    ask = [{"role": "user", "content": "A loan of $400,000 at 4% for a loan term of 15, 20 and 30 years."}]
+    _scripted_decodes(monkeypatch, engine, [_turn([_loan(15)])])
+    out = engine.turn(ask, [MORTGAGE], "required", parallel_tool_calls=parallel)
+    assert out.calls == ([_loan(15), _loan(20), _loan(30)] if parallel else [_loan(15)])
+    _scripted_decodes(monkeypatch, engine, [_turn([_loan(15)])])
+    off = engine.turn(ask, [MORTGAGE], "required", parallel_tool_calls=parallel, config=EngineConfig(grounding=False))
+    assert off.calls == [_loan(15)]
+    # a list only a tool result writes is not what the user asked for (a helper's case)
+    results = [{"role": "user", "content": "A loan of $400,000 at 4%: which loan term? Only the first one."},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "terms", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "loan term of 15, 20 and 30 years"}]
+    _scripted_decodes(monkeypatch, engine, [_turn([_loan(15)])])
+    assert engine.turn(results, [MORTGAGE], "required", parallel_tool_calls=parallel).calls == [_loan(15)]
+
+
+def _streaming_decodes(monkeypatch, engine, turns):
+    """Make ``engine._decode`` stream each of ``turns``' text to its ``on_text`` and return it, in order (a
+    ``(streamed, turn)`` pair streams ``streamed`` instead)."""
+    served = []
+
+    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset()):
+        streamed, turn = turns[len(served)] if isinstance(turns[len(served)], tuple) else (None, turns[len(served)])
+        served.append(turn)
+        if args[6] is not None:
+            args[6](turn.text if streamed is None else streamed)
+        return turn
+
+    monkeypatch.setattr(engine, "_decode", decode)
+    return served
+
+
+RIDES = Tool("rides", "", {"type": "object", "properties": {"max_cost": {"type": "integer"}}, "required": ["max_cost"]})
+RIDE_ASK = [{"role": "user", "content": "A ride with a maximum cost of $50"}]
+
+
+def test_text_streamed_after_the_last_discard_is_the_returned_turns_text(smol_dir, monkeypatch):
+    """A turn decoded again streams the new decode after a discard; where the engine then returns the earlier decode
+    (the second was cut by the budget), it discards again and streams the earlier text once more."""
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    seen = []
+    on_text, on_discard = (lambda t: seen.append(t)), (lambda: seen.append(None))
+    first = _turn([{"name": "rides", "arguments": {"max_cost": 500000}}], text="first")
+    _streaming_decodes(monkeypatch, engine, [first, _turn([{"name": "rides", "arguments": {"max_cost": 50}}],
+                                                          text="second")])
+    out = engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text, on_discard=on_discard)
+    assert out.text == "second" and seen == ["first", None, "second"]
+    seen.clear()
+    _streaming_decodes(monkeypatch, engine, [first, _turn(None, text="cut", stop="length", is_call=True)])
+    out = engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text, on_discard=on_discard)
+    assert out is first and seen == ["first", None, "cut", None, "first"]
+    seen.clear()  # a several-call turn's end rule cut the text after it streamed: discarded, streamed again
+    cut = _turn([{"name": "rides", "arguments": {"max_cost": 50}}], text="call 50")
+    _streaming_decodes(monkeypatch, engine, [("call 50 + call 5", cut)])
+    assert engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text, on_discard=on_discard) is cut
+    assert seen == ["call 50 + call 5", None, "call 50"]
+    seen.clear()  # a closing the engine wrote after the decoded text: streamed on, nothing discarded
+    _streaming_decodes(monkeypatch, engine, [("call 5", cut)])
+    engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text, on_discard=on_discard)
+    assert seen == ["call 5", "0"]
+    seen.clear()  # without on_discard: every decode's text, as before
+    _streaming_decodes(monkeypatch, engine, [first, _turn(None, text="cut", stop="length", is_call=True)])
+    engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text)
+    assert seen == ["first", "cut"]
+
+
+def test_agent_stream_marks_a_turn_decoded_again_with_a_discard_event(smol_dir, monkeypatch):
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    _streaming_decodes(monkeypatch, engine, [
+        _turn([{"name": "rides", "arguments": {"max_cost": 500000}}], text="first"),
+        _turn([{"name": "rides", "arguments": {"max_cost": 50}}], text="second")])
+    agent = Agent(engine, tools=[RIDES])
+    events = list(agent.stream(RIDE_ASK[0]["content"], tool_choice="required", max_steps=1))
+    kinds = [(e.type, e.text) for e in events if e.type in ("token", "discard")]
+    assert kinds == [("token", "first"), ("discard", ""), ("token", "second")]
+    assert [c.arguments for c in events[-1].result.pending_calls] == [{"max_cost": 50}]  # RIDES has no function
+
+
+def test_agent_stream_calls_an_engine_without_on_discard_as_before(smol_dir, monkeypatch):
+    """An Engine written before ``on_discard`` joined the protocol still streams."""
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    inner = LocalEngine(gen)
+    _streaming_decodes(monkeypatch, inner, [_turn([{"name": "rides", "arguments": {"max_cost": 50}}], text="one")])
+
+    class OldEngine:
+        def turn(self, messages, tools, tool_choice="auto", response_format=None, parallel_tool_calls=None,
+                 config=EngineConfig(), on_text=None):
+            return inner.turn(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+
+        def spec(self):
+            return inner.spec()
+
+    events = list(Agent(OldEngine(), tools=[RIDES]).stream(RIDE_ASK[0]["content"], tool_choice="required",
+                                                           max_steps=1))
+    assert [(e.type, e.text) for e in events if e.type in ("token", "discard")] == [("token", "one")]

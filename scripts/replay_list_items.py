@@ -1,0 +1,44 @@
+"""Replay the written-list rule (``agent.parallel_calls.with_written_list_items``) over recorded BFCL outputs
+(docs/benchmarks.md, "Items of a written list").
+
+Each row of a ``python -m agent bfcl`` TSV holds the turn's decoded text. For every question where several calls
+are asked for (``parallel_tool_calls=True``: the parallel categories), this parses the calls, grounds them as
+``LocalEngine.turn`` does (``agent.grounding.grounded_call``, then ``distinct_calls``), completes them over the
+written lists of numbers, scores both with the bfcl command's checker (BFCL's own where installed) and prints every
+question whose calls the rule changes, with both verdicts, then the counts. The rule acts after the decodes, so on
+a run made with it the verdicts "after" are the run's own.
+
+Usage: ``python scripts/replay_list_items.py OUT.tsv [OUT.tsv …]`` (a question in several files: the first row).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, distinct_calls  # noqa: E402
+from agent.grounding import Grounding, conversation_text, grounded_call, last_user_text  # noqa: E402
+from agent.parallel_calls import with_written_list_items  # noqa: E402
+from replay_grounding import Tally, recorded_turns  # noqa: E402 (this folder)
+
+
+def main(paths: list[str]) -> int:
+    turns = 0
+    tally = Tally()
+    for qid, _, turn, calls in recorded_turns(paths):
+        if turn.parallel is not True:
+            continue
+        turns += 1
+        text = conversation_text(turn.messages)
+        grounding = Grounding(text)
+        before = distinct_calls([grounded_call(c, turn.tools, grounding) for c in calls])
+        asked = last_user_text(turn.messages)
+        tally.add(qid, turn, before, with_written_list_items(before, turn.tools, asked, DEFAULT_MAX_PARALLEL_CALLS))
+    print(f"turns asked for several calls {turns}; the rule changes the calls of {tally.changed}: "
+          f"won {tally.won}, lost {tally.lost}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
