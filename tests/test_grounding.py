@@ -160,7 +160,7 @@ def test_auto_answers_in_text_once_no_tool_is_left(smol_dir, monkeypatch):
 
 def test_the_text_answer_auto_falls_back_to_is_decoded_again_where_it_only_restates_a_call(smol_dir, monkeypatch):
     """"What is the capital of France?" with a weather tool: the call takes nothing from the question, so the turn
-    is an answer; Qwen2.5-Coder-0.5B then wrote the call as a ```json fence (a helper's run)."""
+    is an answer; Qwen2.5-Coder-0.5B then wrote the call as a ```json fence (a run of the default model)."""
     _, gen = scripted(smol_dir, "hermes", "", None)
     engine = LocalEngine(gen)
     fence = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
