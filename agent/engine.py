@@ -320,14 +320,14 @@ class LocalEngine:
         decoded again with such integers taken out of the grammar; where several calls are asked for
         (``parallel_tool_calls=True``), the calls are completed over a written list of numbers they go over
         (``agent.parallel_calls.with_written_list_items``). Before those, with ``config.tool_prior`` (the
-        default), a turn of one call out of two or more
-        callable tools is decoded again restricted to the tool the model's prior points to where that differs
-        (``agent.tool_prior``). ``text`` is the decoded text of the turn returned; ``stats`` count every decode.
-        ``on_text`` sees every decode's text, a discarded call's too; ``on_discard`` (with ``on_text``) is called
-        before each decode past the first, and where the turn returned is an earlier decode than the last one
-        streamed, or its text was cut after it streamed (a several-call turn's dropped call), it is called again
-        and the returned text goes to ``on_text`` once more (a closing the engine wrote after the decoded text
-        goes to it too): the text ``on_text`` saw after the last ``on_discard`` is the returned turn's ``text``.
+        default), a turn of one call out of two or more callable tools is decoded again restricted to the tool
+        the model's prior points to where that differs (``agent.tool_prior``). ``text`` is the decoded text of
+        the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's
+        too; ``on_discard`` (with ``on_text``) is called before each decode past the first, and where the turn
+        returned is an earlier decode than the last one streamed, or its text was cut after it streamed (a
+        several-call turn's dropped call), it is called again and the returned text goes to ``on_text`` once more
+        (a closing the engine wrote after the decoded text goes to it too): the text ``on_text`` saw after the
+        last ``on_discard`` is the returned turn's ``text``.
         """
         shown: list[DecodedTurn] = []  # the decodes whose text on_text saw, in order
         streamed: list[str] = []  # the pieces on_text saw of the last decode
@@ -337,14 +337,15 @@ class LocalEngine:
                 streamed.append(piece)
                 stream(piece)
 
-        def decode(*args, **kwargs) -> DecodedTurn:
+        def decode(**kwargs) -> DecodedTurn:  # one decode of this turn (``_decode``'s keyword options)
             if shown and discard is not None:
                 discard()  # the text streamed so far is void: the turn is decoded again
                 streamed.clear()
-            shown.append(self._decode(*args, **kwargs))
+            shown.append(self._decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
+                                      on_text, **kwargs))
             return shown[-1]
 
-        out = self._turn(decode, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        out = self._turn(decode, messages, tools, tool_choice, response_format, parallel_tool_calls, config)
         if discard is not None and shown:
             seen = "".join(streamed)
             if out is shown[-1] and out.text.startswith(seen):
@@ -355,11 +356,12 @@ class LocalEngine:
                 stream(out.text)
         return out
 
-    def _turn(self, decode, messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-              on_text) -> DecodedTurn:
-        """The body of :meth:`turn`; ``decode``: its decode of the turn (``_decode``'s arguments)."""
+    def _turn(self, decode, messages, tools, tool_choice, response_format, parallel_tool_calls,
+              config) -> DecodedTurn:
+        """The body of :meth:`turn`; ``decode(**options)``: one decode of the turn (``_decode``'s keyword
+        options)."""
         allowed, mode = filter_tools(tools, tool_choice)
-        out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text)
+        out = decode()
         text = conversation_text(messages)
         grounding = Grounding(text) if out.calls and (config.grounding or config.tool_prior) else None
         only: set | None = None  # tools masked out of every later decode: all but the prior's pick
@@ -368,8 +370,7 @@ class LocalEngine:
             pick = self._prior_pick(messages, tools, parallel_tool_calls, out, allowed)
             if pick is not None:
                 masked = {t.name for t in allowed if t.name != pick}
-                again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                               on_text, exclude=masked)
+                again = decode(exclude=masked)
                 again.stats = out.stats + again.stats
                 took = any(takes_from_conversation(c, grounding) for c in out.calls)
                 if (again.calls and not (again.truncated and not out.truncated)
@@ -386,8 +387,7 @@ class LocalEngine:
             if runs_numbers_together(out.calls, text, grounding):
                 prefixes |= run_together_prefixes(text, grounding)
             if prefixes:
-                again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                               on_text, exclude=only, integer_prefixes=prefixes)
+                again = decode(exclude=only, integer_prefixes=prefixes)
                 again.stats = out.stats + again.stats
                 if again.truncated and not out.truncated:
                     out.stats, prefixes = again.stats, frozenset()
@@ -398,8 +398,7 @@ class LocalEngine:
             # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
             # answer is wanted (after tool results, or under "none"): decoded again as an answer that cannot
             # start with a backtick (a code block, or "``json" around the fence)
-            again = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                           on_text, answer_only=True, answer_excludes=("`",))
+            again = decode(answer_only=True, answer_excludes=("`",))
             again.stats = out.stats + again.stats
             out = again
         if not config.grounding or not out.calls:
@@ -413,9 +412,7 @@ class LocalEngine:
                 out = first  # no other tool takes from the conversation either: the model's first choice
                 break
             final = mode == "auto" and (not left or retries == 0)
-            out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                         on_text, exclude=None if final else excluded, answer_only=final,
-                         integer_prefixes=prefixes)
+            out = decode(exclude=None if final else excluded, answer_only=final, integer_prefixes=prefixes)
             stats = stats + out.stats
             retries -= 1
             if out.truncated and out.is_call:
@@ -426,8 +423,7 @@ class LocalEngine:
                 # the answer the grounding fell back to only writes a call as JSON ("What is the capital of
                 # France?" → ```json {"name": "get_weather", …}): decoded again as prose (no backtick or brace
                 # first: a bare {"name": …} is how the format writes a call)
-                out = decode(messages, tools, tool_choice, response_format, parallel_tool_calls, config,
-                             on_text, answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes)
+                out = decode(answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes)
                 stats = stats + out.stats
         out.stats = stats
         if out.calls:

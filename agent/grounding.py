@@ -320,7 +320,7 @@ def written_number_lists(text: str) -> list[WrittenList]:
         else:
             if prev is not None:
                 close()
-            run, start, anded, comma = ([value], m.start(), False, False) if plain else ([], m.start(), False, False)
+            run, start, anded, comma = ([value] if plain else []), m.start(), False, False
             seen, written = set(run), len(run)
         prev = m if plain else None
     if prev is not None:
