@@ -26,7 +26,7 @@ from .formats import ToolFormat, make_format
 from .formats.chat import plain_text_encoder
 from .grounding import (Grounding, conversation_text, grounded_call, last_user_text, run_together_prefixes,
                         runs_numbers_together, takes_from_conversation, zeros_appended_prefixes)
-from .parallel_calls import ParallelCallsEnd, with_written_list_items
+from .parallel_calls import ParallelCallsEnd, with_written_lists
 from .tool_choice import filter_tools
 from .tool_prior import (MIN_PROBABILITY, PriorCache, calibrated_pick, content_free_messages, name_span,
                          opening_tokens, tokens_starting_with)
@@ -70,8 +70,8 @@ class EngineConfig:
             ``510``: ``agent.grounding.runs_numbers_together``) or writes zeros on past a written number ("$50"
             → ``500000``: ``agent.grounding.zeros_appended_prefixes``) is decoded again with integers starting so
             (``51``, ``101``, ``500``) taken out of the grammar; where several calls are asked for, a call is
-            added per item of a written list of numbers the calls go over and miss
-            (``agent.parallel_calls.with_written_list_items``). On by default; False returns the calls as the
+            added per item of a written list of numbers the calls go over and miss, and a list every call of a
+            tool holds is shared out by where its items are written (``agent.parallel_calls.with_written_lists``). On by default; False returns the calls as the
             grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
@@ -318,8 +318,9 @@ class LocalEngine:
         are read: ``agent.grounding.grounded_call``), and a turn that runs the items of a written list of numbers
         together (``510`` for "5,10 and 15") or writes zeros on past a written number (``500000`` for "$50") is
         decoded again with such integers taken out of the grammar; where several calls are asked for
-        (``parallel_tool_calls=True``), the calls are completed over a written list of numbers they go over
-        (``agent.parallel_calls.with_written_list_items``). Before those, with ``config.tool_prior`` (the
+        (``parallel_tool_calls=True``), the calls are completed over the lists the user's last message writes
+        (``agent.parallel_calls.with_written_lists``: the items of a list of numbers; a list every call of a tool
+        holds, shared out). Before those, with ``config.tool_prior`` (the
         default), a turn of one call out of two or more callable tools is decoded again restricted to the tool
         the model's prior points to where that differs (``agent.tool_prior``). ``text`` is the decoded text of
         the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's
@@ -429,9 +430,9 @@ class LocalEngine:
         if out.calls:
             out.calls = distinct_calls([grounded_call(c, allowed, grounding) for c in out.calls])
             if parallel_tool_calls is True and mode != "none":
-                # several asked for: a call per item of a written list of numbers the calls go over
-                out.calls = with_written_list_items(out.calls, allowed, last_user_text(messages),
-                                                    config.max_parallel_calls)
+                # several asked for: the calls completed over the lists the user's last message writes
+                out.calls = with_written_lists(out.calls, allowed, last_user_text(messages),
+                                               config.max_parallel_calls)
         return out
 
     def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,

@@ -28,7 +28,9 @@ dev split (docs/benchmarks.md, "Values from the conversation" and the sections n
   takes from the conversation.
 * **items of a written list** (:func:`written_number_lists`, applied by
   ``agent.parallel_calls.with_written_list_items``): where several calls are asked for and the calls go over a
-  list of numbers the user writes ("for 1,5 and 10 years"), an item no call holds gets its call.
+  list of numbers the user writes ("for 1,5 and 10 years"), an item no call holds gets its call; and
+  (:func:`written_at`, applied by ``agent.parallel_calls.with_shared_list_split``) a list every call of a tool
+  holds is shared out by where each item is written ("Netflix for 'Friends', and Hulu for 'The Office'").
 
 The rules read text, not meaning: a value the model translates ("上海" → "Shanghai"), converts ("five" → 5) or
 infers correctly from no words at all counts as not written.
@@ -326,6 +328,34 @@ def written_number_lists(text: str) -> list[WrittenList]:
     if prev is not None:
         close()
     return lists
+
+
+def plain_text(text: str) -> str:
+    """``text`` case-folded, each run of white space made one space: the text :func:`written_at` reads."""
+    return " ".join(text.casefold().split())
+
+
+def written_at(text: str, value: str | int | float, *, plain: bool = False) -> list[tuple[int, int]]:
+    """Where ``text`` writes ``value`` as whole words, case and runs of white space aside: the ``(start, end)``
+    offsets of each occurrence in :func:`plain_text` of ``text`` (``plain=True``: ``text`` is that already). A
+    number as :func:`number_key` prints it (``2018``, ``2.5``), not inside a longer number (``5`` is not written
+    in "2.5" or "-5"). ``[]`` for a string that is empty or only white space, a boolean, or a number past 4300
+    digits."""
+    if isinstance(value, bool):
+        return []
+    text = text if plain else plain_text(text)
+    if isinstance(value, (int, float)):
+        try:
+            form = str(number_key(value))
+        except ValueError:  # an integer past Python's digit limit for str()
+            return []
+        around = (r"(?<![\w.\-])", r"(?!\w|\.\d)")
+    else:
+        form = plain_text(value)
+        around = (r"(?<!\w)", r"(?!\w)")
+    if not form:
+        return []
+    return [m.span() for m in re.finditer(around[0] + re.escape(form) + around[1], text)]
 
 
 def run_together_values(text: str, grounding: Grounding | None = None) -> set[int]:

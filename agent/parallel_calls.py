@@ -19,7 +19,8 @@ ends the turn there, from the calls alone:
 After the decode, :func:`with_written_list_items` completes a turn where several calls were asked for over a list
 of numbers the user's last message writes: where the calls of one tool differ only in one argument, each holding
 an item of the list, a call is added per item no call of the tool holds (the model asked for "a loan term of 15,
-20 and 30 years" writes the 15-year call and then repeats it).
+20 and 30 years" writes the 15-year call and then repeats it), and :func:`with_shared_list_split` shares out a
+list every call of a tool holds by where each item is written (:func:`with_written_lists` applies both).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Iterator
 from schemas import Tool, ToolCallError
 
 from .formats import ToolFormat
-from .grounding import Grounding, leaf_values, number_key, written_number_lists
+from .grounding import Grounding, leaf_values, number_key, plain_text, written_at, written_number_lists
 
 
 def _value_key(value: Any) -> str:
@@ -226,3 +227,88 @@ def with_written_list_items(calls: list[dict], tools: list[Tool], text: str, max
                 group.append(new)
                 held.add(item)
     return out
+
+
+def _groups(calls: list[dict], tools: list[Tool]) -> Iterator[tuple[Tool, list[dict]]]:
+    """``(tool, calls)`` for each tool of ``tools`` that two or more of ``calls`` call, all with the same argument
+    names, in the order of each tool's first call."""
+    by_name = {t.name: t for t in tools}
+    names = []
+    for c in calls:
+        if isinstance(c, dict) and isinstance(c.get("arguments"), dict) and isinstance(c.get("name"), str) \
+                and c["name"] in by_name and c["name"] not in names:
+            names.append(c["name"])
+    for name in names:
+        group = [c for c in calls if isinstance(c, dict) and c.get("name") == name]
+        if len(group) >= 2 and all(isinstance(c.get("arguments"), dict)
+                                   and c["arguments"].keys() == group[0]["arguments"].keys() for c in group):
+            yield by_name[name], group
+
+
+def _validates(tool: Tool, calls: list[dict]) -> bool:
+    try:
+        for c in calls:
+            tool.validate(c["arguments"])
+    except ToolCallError:
+        return False
+    return True
+
+
+def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> list[dict]:
+    """``calls`` (a turn where several calls were asked for) with a list the calls of one tool all hold shared out
+    among them by where ``text`` (the last user message) writes each item: where the calls of a tool differ in
+    exactly one top-level argument, a string written once in ``text`` in each call (:func:`agent.grounding.
+    written_at`), and hold the same top-level array of two or more strings, each written in ``text`` (not only
+    inside another item: "Frozen" in "Frozen II"), every item goes to the call whose string is written last before
+    it ("on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'" → ``["Friends"]`` for
+    Netflix, ``["The Office", "Stranger Things"]`` for Hulu; Qwen2.5-Coder-0.5B gave both calls all three: dev
+    split, docs/benchmarks.md "A list shared out"), where every item is written after some call's string and
+    every call gets one or more items and validates; otherwise the calls stand (items written before every
+    call's string, or all after the last one: "Friends and The Office on Netflix and Hulu").
+
+    The rule reads where words stand, not what they say: "Netflix for 'Friends', and Hulu for 'Dark'; check both
+    for 'Lost'" gives 'Lost' to Hulu only."""
+    out = list(calls)
+    plain = plain_text(text)
+    for tool, group in list(_groups(calls, tools)):
+        args = group[0]["arguments"]
+        differ = [k for k in args if len({_value_key(c["arguments"][k]) for c in group}) > 1]
+        shared = [k for k in args if isinstance(args[k], list) and len(args[k]) >= 2
+                  and all(isinstance(x, str) for x in args[k]) and all(c["arguments"][k] == args[k] for c in group)]
+        if len(differ) != 1 or len(shared) != 1:
+            continue
+        key, items = differ[0], args[shared[0]]
+        anchors = [written_at(plain, c["arguments"][key], plain=True) if isinstance(c["arguments"][key], str)
+                   else [] for c in group]
+        if any(len(a) != 1 for a in anchors) or len({a[0] for a in anchors}) != len(anchors):
+            continue
+        starts = [a[0][0] for a in anchors]
+        spans = {item: written_at(plain, item, plain=True) for item in items}
+        given: list[list[str]] = [[] for _ in group]
+        for item in items:
+            # an occurrence inside a longer item's ("Frozen" in "Frozen II") is that item's
+            where = [p for p, end in spans[item] if not any(q <= p and end <= q_end and (q, q_end) != (p, end)
+                                                            for other in items if other != item
+                                                            for q, q_end in spans[other])]
+            owners = [max((i for i, a in enumerate(starts) if a < p), key=starts.__getitem__, default=None)
+                      for p in where]
+            if not where or None in owners:
+                break
+            for i in owners:
+                if item not in given[i]:
+                    given[i].append(item)
+        else:
+            if all(given):
+                new = [{**c, "arguments": {**c["arguments"], shared[0]: g}} for c, g in zip(group, given)]
+                if _validates(tool, new):
+                    instead = {id(c): n for c, n in zip(group, new)}
+                    out = [instead.get(id(c), c) for c in out]
+    return out
+
+
+def with_written_lists(calls: list[dict], tools: list[Tool], text: str, max_calls: int) -> list[dict]:
+    """``calls`` (a turn where several calls were asked for) completed over the lists ``text`` (the last user
+    message) writes: :func:`with_written_list_items` (the items of a list of numbers), then
+    :func:`with_shared_list_split` (a list every call of a tool holds, shared out). The rules read text, not
+    meaning."""
+    return with_shared_list_split(with_written_list_items(calls, tools, text, max_calls), tools, text)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, distinct_calls  # noqa: E402
 from agent.grounding import Grounding, conversation_text, grounded_call, last_user_text  # noqa: E402
-from agent.parallel_calls import with_written_list_items  # noqa: E402
+from agent.parallel_calls import with_written_lists  # noqa: E402
 from replay_grounding import Tally, recorded_turns  # noqa: E402 (this folder)
 
 
@@ -34,7 +34,7 @@ def main(paths: list[str]) -> int:
         grounding = Grounding(text)
         before = distinct_calls([grounded_call(c, turn.tools, grounding) for c in calls])
         asked = last_user_text(turn.messages)
-        tally.add(qid, turn, before, with_written_list_items(before, turn.tools, asked, DEFAULT_MAX_PARALLEL_CALLS))
+        tally.add(qid, turn, before, with_written_lists(before, turn.tools, asked, DEFAULT_MAX_PARALLEL_CALLS))
     print(f"turns asked for several calls {turns}; the rule changes the calls of {tally.changed}: "
           f"won {tally.won}, lost {tally.lost}")
     return 0

@@ -19,7 +19,9 @@ decoding makes every rule below a prefix of that one output, so ``simulate`` sco
 * ``named tool``: as ``new values``, but a call of a new tool a word of whose name the conversation writes (and no
   earlier tool's name holds) is kept when its new values are all written (:func:`named_new_tool`);
 * ``skip unwritten`` (``, named tool``): a call past the first holding a new value the conversation does not write
-  is skipped and the turn goes on (:func:`skipping`).
+  is skipped and the turn goes on (:func:`skipping`);
+* ``new values mentioned``: as ``new values``, but a new string counts where a word of it is written
+  (:func:`brings_new_mentioned`).
 
 Every variant's calls pass the engine's optional-argument rule before they are scored
 (``agent.grounding.without_unwritten_optional``).
@@ -131,6 +133,19 @@ def new_for_its_tool(call: dict, earlier: list[dict], grounding) -> bool:
     return bool(same) and brings_new_values(call, same, grounding)
 
 
+def brings_new_mentioned(call: dict, earlier: list[dict], grounding) -> bool:
+    """As ``agent.parallel_calls.brings_new_values``, but a new string counts where the conversation mentions it
+    (``Grounding.mentions``: a word of it written, "trial_date" for "scheduled trial date") rather than writes it
+    whole."""
+    from agent.grounding import leaf_values
+    from agent.parallel_calls import _value_key
+
+    seen = {_value_key(v) for c in earlier for v in leaf_values(c["arguments"])}
+    new = [v for v in leaf_values(call["arguments"]) if _value_key(v) not in seen]
+    return any(v is not None and not isinstance(v, bool) for v in new) and all(
+        v in grounding or grounding.mentions(v) for v in new)
+
+
 def skipping(calls: list[dict], grounding, *, mentioned_tool: bool) -> list[dict]:
     """Calls past the first holding a new value the conversation does not write are skipped (the turn goes on);
     past the second kept call, one that brings no new value ends the turn (or, ``mentioned_tool``, is kept when
@@ -198,6 +213,8 @@ def simulate(args) -> None:
             verdicts["skip unwritten, named tool"] = turn.check(skipping(calls, grounding, mentioned_tool=True))
             verdicts["new for its tool"] = turn.check(calls[:first_failing(
                 lambda c, e: brings_new_values(c, e, grounding) or new_for_its_tool(c, e, grounding), 2)])
+            verdicts["new values mentioned"] = turn.check(calls[:first_failing(
+                lambda c, e: brings_new_mentioned(c, e, grounding), 2)])
             verdicts["named tool"] = turn.check(calls[:first_failing(
                 lambda c, e: brings_new_values(c, e, grounding) or named_new_tool(c, e, grounding), 2)])
             t = totals.setdefault(f"{Path(path).name} {category}", {"n": 0, **{k: 0 for k in verdicts}})
@@ -207,7 +224,7 @@ def simulate(args) -> None:
             print(rec["id"], f"ground truth {len(turn.ground_truth)} calls; kept: masked {len(calls)}, "
                   f"model {model}, new values {new}", {k: int(v) for k, v in verdicts.items()})
     names = ["masked", "model", "new values", "grounded only", "a new tool counts", "new values from call 2",
-             "new for its tool", "named tool", "skip unwritten", "skip unwritten, named tool"]
+             "new for its tool", "named tool", "skip unwritten", "skip unwritten, named tool", "new values mentioned"]
     print("\n| records, category | n | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
     for name, t in totals.items():
         print(f"| {name} | {t['n']} | " + " | ".join(str(t[k]) for k in names) + " |")

@@ -548,6 +548,75 @@ def test_a_several_call_turn_gets_a_call_per_item_of_a_written_list_it_goes_over
     assert with_written_list_items(deep, [nested], "o of 1, 2 and 3", 8) == deep
 
 
+def test_written_at_finds_whole_words_and_whole_numbers():
+    from agent.grounding import written_at
+
+    assert written_at("New  York and new york; Newark", "new york") == [(0, 8), (13, 21)]
+    assert written_at("seasons 2018 and 2020.", 2018) == [(8, 12)] and written_at("2.5", 2.50) == [(0, 3)]
+    # a number inside a longer one is not written (a helper's cases)
+    assert written_at("2.5", 2) == [] and written_at("2.5", 5) == [] and written_at("-5 and 5", 5) == [(7, 8)]
+    assert written_at("-5 and 5", -5) == [(0, 2)] and written_at("2,5", 5) == [(2, 3)]
+    assert written_at("new york", "NEW  York", plain=True) == [(0, 8)]
+    assert written_at("a b", " ") == [] and written_at("true", True) == [] and written_at("1", 10 ** 5000) == []
+
+
+SHOWS = Tool("shows", "", {"type": "object", "properties": {
+    "service": {"type": "string"}, "titles": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
+    "required": ["service", "titles"]})
+
+
+def _shows(service, titles):
+    return {"name": "shows", "arguments": {"service": service, "titles": titles}}
+
+
+def test_a_list_every_call_holds_is_shared_out_by_where_each_item_is_written():
+    from agent.parallel_calls import with_shared_list_split
+
+    text = "Ratings on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'"
+    titles = ["Friends", "The Office", "Stranger Things"]
+    copied = [_shows("Netflix", titles), _shows("Hulu", titles)]
+    # dev split, parallel_5: Qwen2.5-Coder-0.5B gave both calls all three
+    assert with_shared_list_split(copied, [SHOWS], text) == [_shows("Netflix", ["Friends"]),
+                                                            _shows("Hulu", ["The Office", "Stranger Things"])]
+    # every item after the last call's string, or before every one: the calls stand
+    for same in ("Friends, The Office and Stranger Things on Netflix and Hulu",
+                 "On Netflix and Hulu: Friends, The Office and Stranger Things",
+                 "Ratings on Netflix for 'Friends', and Hulu for 'The Office' and 'Dark'"):  # an item not written
+        assert with_shared_list_split(copied, [SHOWS], same) == copied
+    # a call's string written twice, or not at all
+    assert with_shared_list_split(copied, [SHOWS], text + " on Netflix") == copied
+    assert with_shared_list_split(copied, [SHOWS], text.replace("Hulu", "Disney")) == copied
+    # an item written after both: it goes to each call it follows last (written twice)
+    assert with_shared_list_split(copied, [SHOWS], text + "; 'Friends' too") == [
+        _shows("Netflix", ["Friends"]), _shows("Hulu", ["Friends", "The Office", "Stranger Things"])]
+    strict = Tool("shows", "", {**SHOWS.parameters, "properties": {
+        **SHOWS.parameters["properties"], "titles": {"type": "array", "items": {"type": "string"}, "minItems": 2}}})
+    assert with_shared_list_split(copied, [strict], text) == copied  # ["Friends"] does not validate
+    one = [_shows("Netflix", ["Friends"]), _shows("Hulu", ["Friends"])]
+    assert with_shared_list_split(one, [SHOWS], text) == one  # a list of one is no list to share
+    # an item written only inside a longer one is that one's (a helper's case: sequels)
+    sequels = ["Frozen", "Moana", "Frozen II"]
+    assert with_shared_list_split([_shows("Disney+", sequels), _shows("Netflix", sequels)], [SHOWS],
+                                  "Check Disney+ for 'Frozen' and 'Moana', and Netflix for 'Frozen II'") == [
+        _shows("Disney+", ["Frozen", "Moana"]), _shows("Netflix", ["Frozen II"])]
+    # calls not of the shape: names that are not strings, arguments not objects, other calls in between
+    odd = [{"name": ["shows"], "arguments": {}}, {"name": "shows", "arguments": None}, "not a call"]
+    assert with_shared_list_split(odd, [SHOWS], text) == odd
+    other = {"name": "other", "arguments": {"x": 1}}
+    assert with_shared_list_split([copied[0], other, copied[1]], [SHOWS], text) == [
+        _shows("Netflix", ["Friends"]), other, _shows("Hulu", ["The Office", "Stranger Things"])]
+
+
+def test_with_written_lists_applies_both_list_rules():
+    from agent.parallel_calls import with_written_lists
+
+    text = "A loan term of 15, 20 and 30 years; on Netflix for 'Friends', and Hulu for 'The Office' and 'Dark'"
+    titles = ["Friends", "The Office", "Dark"]
+    calls = [_loan(15), _shows("Netflix", titles), _shows("Hulu", titles)]
+    assert with_written_lists(calls, [MORTGAGE, SHOWS], text, 8) == [
+        _loan(15), _loan(20), _loan(30), _shows("Netflix", ["Friends"]), _shows("Hulu", ["The Office", "Dark"])]
+
+
 @pytest.mark.parametrize("parallel", [True, None, False])
 def test_the_engine_completes_a_written_list_only_where_several_calls_are_asked_for(smol_dir, monkeypatch, parallel):
     _, gen = scripted(smol_dir, "hermes", "", None)
