@@ -20,6 +20,9 @@ from .openai_protocol import ROLES
 
 logger = logging.getLogger(__name__)
 
+STREAM_WORKERS = 8  # streams of one Agent decoding at once (a further one waits for a free thread)
+_STREAM_WORKERS_LOCK = threading.Lock()
+
 
 @dataclass
 class ToolCallRecord:
@@ -172,6 +175,7 @@ class Agent:
         self.parallel_tool_execution = parallel_tool_execution
         self._settings = dict(max_steps=max_steps, strict=strict, tool_timeout=tool_timeout, max_retries=max_retries,
                               parallel_tool_execution=parallel_tool_execution)
+        self._streams: concurrent.futures.ThreadPoolExecutor | None = None  # created by the first stream
 
     @property
     def generator(self) -> Generator:
@@ -263,8 +267,7 @@ class Agent:
             finally:
                 q.put(sentinel)
 
-        thread = threading.Thread(target=work, daemon=True, name="specagent-stream")
-        thread.start()
+        done = self._stream_workers().submit(work)
         try:
             while True:
                 item = q.get()
@@ -275,7 +278,18 @@ class Agent:
                 yield item
         finally:
             closed.set()  # a stream left early stops its decode at the next step (a tool already running finishes)
-        thread.join()
+        done.result()
+
+    def _stream_workers(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads :meth:`stream` decodes on, kept for the agent's life: an idle one takes the next stream, so
+        consecutive streams decode on the same thread and reuse its KV cache's prefix (llama.cpp keeps a context
+        per thread: a thread of its own per stream prefilled every prompt whole). Up to
+        :data:`STREAM_WORKERS` streams decode at once."""
+        with _STREAM_WORKERS_LOCK:
+            if self._streams is None:
+                self._streams = concurrent.futures.ThreadPoolExecutor(max_workers=STREAM_WORKERS,
+                                                                      thread_name_prefix="specagent-stream")
+        return self._streams
 
     def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, backend: str = "thread",
                   **kwargs) -> list[RunResult]:

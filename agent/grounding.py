@@ -149,18 +149,30 @@ def is_text_or_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_LETTER_WORD = re.compile(r"[^\W\d_]+")
+
+
+def _in_order(letters: str, word: str) -> bool:
+    """Whether ``letters`` appear in ``word`` in that order (a subsequence)."""
+    rest = iter(word)
+    return all(ch in rest for ch in letters)
+
+
 class Grounding:
     """Which scalar values a conversation's text writes: a number equal to a number in the text (``5,000`` reads
     as 5000, ``95%`` as 95 and 0.95, ``$1.2M`` and "1.2 million" as 1.2 and 1200000, a number word as its number:
     "two", "third", "dozen", and a run of them as the number it writes: "twenty-five", "two hundred and fifty"), a
-    string found in the text ignoring case and runs of whitespace; booleans and null always (``value in
-    grounding``). :meth:`mentions` is looser: a string one of whose words is written counts. ``percents_only``: the
-    numbers written only as percents ("5%", "5 percent", nowhere a plain 5)."""
+    string found in the text ignoring case and runs of whitespace, or an abbreviation of its words
+    (:meth:`abbreviates`: "MSFT", "NYC"); booleans and null always (``value in grounding``). :meth:`mentions` is
+    looser: a string one of whose words is written counts. ``percents_only``: the numbers written only as percents
+    ("5%", "5 percent", nowhere a plain 5)."""
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign
         self.text = " ".join(text.casefold().split())
         self.words = set(_WORD.findall(self.text))
+        self._letter_words = _LETTER_WORD.findall(self.text)  # in order: initials of consecutive words
+        self._initials = "".join(w[0] for w in self._letter_words)
         self.numbers = set()
         plain, percents = set(), set()
         for m in _NUMBER.finditer(text):
@@ -187,8 +199,21 @@ class Grounding:
         if isinstance(value, (int, float)):
             return number_key(value) in self.numbers
         if isinstance(value, str):
-            return " ".join(value.casefold().split()) in self.text
+            return " ".join(value.casefold().split()) in self.text or self.abbreviates(value)
         return False
+
+    def abbreviates(self, value: str) -> bool:
+        """Whether ``value`` is an abbreviation of words the text writes: three to five upper-case ASCII letters
+        that are the initials of consecutive words ("NYC": "New York City") or, in order, letters of one longer
+        word starting with the same letter (a ticker: "MSFT" for "Microsoft", "GOOGL" for "Google"; not "AAPL"
+        for "Apple"). Lenient by design: "USD" is read in "used" too. Qwen2.5-Coder-0.5B asked for the prices of
+        "Apple Inc., Google LLC., and Microsoft Corporation" writes AAPL, GOOGL, then MSFT, which the several-call
+        end rule took for an invented value (dev split, docs/benchmarks.md "Tickers and initials")."""
+        if not (3 <= len(value) <= 5 and value.isascii() and value.isalpha() and value.isupper()):
+            return False
+        v = value.casefold()
+        return v in self._initials or any(len(w) > len(v) and w[0] == v[0] and _in_order(v, w)
+                                          for w in self.words)
 
     def mentions(self, value: Any) -> bool:
         """Whether the text writes ``value``: a number or a string of three or more characters as ``in`` reads it,

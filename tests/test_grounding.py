@@ -30,6 +30,17 @@ def test_mentions_reads_words_numbers_and_scripts_without_spaces():
     assert {400000, 1, 234, 5, 12345678, 7} <= g.numbers and 400 not in g and 1234 not in g and 678 not in g
 
 
+def test_tickers_and_initials_of_written_words_count_as_written():
+    g = Grounding("Closing prices for Apple Inc., Google LLC., and Microsoft Corporation; flights to New York City")
+    assert "MSFT" in g and "GOOGL" in g and "NYC" in g and g.mentions("MSFT")  # dev split, parallel_17
+    assert "AAPL" not in g  # the letters of one word, in order: "apple" holds one "a"
+    assert "IBM" not in g and "NY" not in g and "MICROSOFTX" not in g  # three to five letters
+    assert "msft" not in g and "Msft" not in g  # upper case only
+    assert "MSFT" not in Grounding("ms ft") and "NYC" not in Grounding("New York")  # one word; all initials
+    assert "CTRL" not in Grounding("the contr ol panel")  # letters of one word, not across words
+    assert "ÉQP" not in Grounding("une équipe")  # ASCII only
+
+
 def test_number_words_that_run_together_write_one_number():
     from agent.grounding import compound_numbers
 
