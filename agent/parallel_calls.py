@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from schemas import Tool, ToolCallError
 
@@ -254,6 +254,21 @@ def _validates(tool: Tool, calls: list[dict]) -> bool:
     return True
 
 
+def _shared_out(items: list[str], where: dict[str, list[int]], calls: int,
+                owner: Callable[[int], int | None]) -> list[list[str]] | None:
+    """Each item given to the call ``owner`` picks for each place it is written; None where an item is written
+    nowhere, ``owner`` picks no call for a place, or a call gets no item."""
+    given: list[list[str]] = [[] for _ in range(calls)]
+    for item in items:
+        owners = [owner(p) for p in where[item]]
+        if not owners or None in owners:
+            return None
+        for i in owners:
+            if item not in given[i]:
+                given[i].append(item)
+    return given if all(given) else None
+
+
 def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> list[dict]:
     """``calls`` (a turn where several calls were asked for) with a list the calls of one tool all hold shared out
     among them by where ``text`` (the last user message) writes each item: where the calls of a tool differ in
@@ -263,8 +278,10 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
     it ("on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'" → ``["Friends"]`` for
     Netflix, ``["The Office", "Stranger Things"]`` for Hulu; Qwen2.5-Coder-0.5B gave both calls all three: dev
     split, docs/benchmarks.md "A list shared out"), where every item is written after some call's string and
-    every call gets one or more items and validates; otherwise the calls stand (items written before every
-    call's string, or all after the last one: "Friends and The Office on Netflix and Hulu").
+    every call gets one or more items; else, read the other way, to the call whose string is written first after
+    it ("Sushi in Seattle and Indian and Korean in Chicago"), where every item is written before some call's
+    string and every call gets one; where the calls then validate. Otherwise the calls stand ("Friends and The
+    Office on Netflix and Hulu": every item before both strings, Hulu gets none either way).
 
     The rule reads where words stand, not what they say: "Netflix for 'Friends', and Hulu for 'Dark'; check both
     for 'Lost'" gives 'Lost' to Hulu only."""
@@ -284,25 +301,23 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
             continue
         starts = [a[0][0] for a in anchors]
         spans = {item: written_at(plain, item, plain=True) for item in items}
-        given: list[list[str]] = [[] for _ in group]
-        for item in items:
-            # an occurrence inside a longer item's ("Frozen" in "Frozen II") is that item's
-            where = [p for p, end in spans[item] if not any(q <= p and end <= q_end and (q, q_end) != (p, end)
-                                                            for other in items if other != item
-                                                            for q, q_end in spans[other])]
-            owners = [max((i for i, a in enumerate(starts) if a < p), key=starts.__getitem__, default=None)
-                      for p in where]
-            if not where or None in owners:
-                break
-            for i in owners:
-                if item not in given[i]:
-                    given[i].append(item)
-        else:
-            if all(given):
-                new = [{**c, "arguments": {**c["arguments"], shared[0]: g}} for c, g in zip(group, given)]
-                if _validates(tool, new):
-                    instead = {id(c): n for c, n in zip(group, new)}
-                    out = [instead.get(id(c), c) for c in out]
+        # an occurrence inside a longer item's ("Frozen" in "Frozen II") is that item's
+        where = {item: [p for p, end in spans[item] if not any(q <= p and end <= q_end and (q, q_end) != (p, end)
+                                                                for other in items if other != item
+                                                                for q, q_end in spans[other])] for item in items}
+        def last_before(p: int, starts: list[int] = starts) -> int | None:
+            return max((i for i, a in enumerate(starts) if a < p), key=starts.__getitem__, default=None)
+
+        def first_after(p: int, starts: list[int] = starts) -> int | None:
+            return min((i for i, a in enumerate(starts) if a > p), key=starts.__getitem__, default=None)
+
+        given = (_shared_out(items, where, len(group), last_before)
+                 or _shared_out(items, where, len(group), first_after))
+        if given:
+            new = [{**c, "arguments": {**c["arguments"], shared[0]: g}} for c, g in zip(group, given)]
+            if _validates(tool, new):
+                instead = {id(c): n for c, n in zip(group, new)}
+                out = [instead.get(id(c), c) for c in out]
     return out
 
 

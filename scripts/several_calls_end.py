@@ -137,11 +137,13 @@ def brings_new_mentioned(call: dict, earlier: list[dict], grounding) -> bool:
     """As ``agent.parallel_calls.brings_new_values``, but a new string counts where the conversation mentions it
     (``Grounding.mentions``: a word of it written, "trial_date" for "scheduled trial date") rather than writes it
     whole."""
-    from agent.grounding import leaf_values
-    from agent.parallel_calls import _value_key
+    from agent.grounding import leaf_values, number_key
 
-    seen = {_value_key(v) for c in earlier for v in leaf_values(c["arguments"])}
-    new = [v for v in leaf_values(call["arguments"]) if _value_key(v) not in seen]
+    def key(v):  # as brings_new_values compares values: numbers by number_key
+        return f"n:{number_key(v)}" if isinstance(v, (int, float)) and not isinstance(v, bool) else json.dumps(v)
+
+    seen = {key(v) for c in earlier for v in leaf_values(c["arguments"])}
+    new = [v for v in leaf_values(call["arguments"]) if key(v) not in seen]
     return any(v is not None and not isinstance(v, bool) for v in new) and all(
         v in grounding or grounding.mentions(v) for v in new)
 

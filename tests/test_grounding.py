@@ -605,6 +605,13 @@ def test_a_list_every_call_holds_is_shared_out_by_where_each_item_is_written():
     assert with_shared_list_split(copied, [strict], text) == copied  # ["Friends"] does not validate
     one = [_shows("Netflix", ["Friends"]), _shows("Hulu", ["Friends"])]
     assert with_shared_list_split(one, [SHOWS], text) == one  # a list of one is no list to share
+    # read the other way where the items come before their call's string (a helper's cases)
+    assert with_shared_list_split(copied, [SHOWS], "'Friends' on Netflix, and 'The Office' and 'Stranger Things' "
+                                  "on Hulu") == [_shows("Netflix", ["Friends"]),
+                                                 _shows("Hulu", ["The Office", "Stranger Things"])]
+    # mixed orders: neither reading gives every call an item
+    assert with_shared_list_split(copied, [SHOWS], "Netflix for 'Friends', and 'The Office' and 'Stranger Things' "
+                                  "on Hulu") == copied
     # an item written only inside a longer one is that one's (a helper's case: sequels)
     sequels = ["Frozen", "Moana", "Frozen II"]
     assert with_shared_list_split([_shows("Disney+", sequels), _shows("Netflix", sequels)], [SHOWS],
