@@ -78,9 +78,9 @@ def test_training_script_five_steps_on_tiny_target_lowers_the_loss(tiny_target):
     seqs = [{"tokens": tok.encode("the weather in paris is sunny and warm today " * 4), "prompt_len": 6}]
     feats = train_mtp.featurize(tiny_target, seqs)
     head = MTPHead(tiny_target.model)
-    before = float(train_mtp.head_loss(head, feats[0])[0])
+    before = float(train_mtp.head_loss(head, feats[0])[0].detach())
     losses = train_mtp.train_head(head, feats, max_steps=5, lr=3e-3)
-    after = float(train_mtp.head_loss(head, feats[0])[0])
+    after = float(train_mtp.head_loss(head, feats[0])[0].detach())
     assert len(losses) == 5 and after < before
 
 
