@@ -71,8 +71,8 @@ class EngineConfig:
             → ``500000``: ``agent.grounding.zeros_appended_prefixes``) is decoded again with integers starting so
             (``51``, ``101``, ``500``) taken out of the grammar; where several calls are asked for, a call is
             added per item of a written list of numbers the calls go over and miss, and a list every call of a
-            tool holds is shared out by where its items are written (``agent.parallel_calls.with_written_lists``). On by default; False returns the calls as the
-            grammar-constrained decode wrote them.
+            tool holds is shared out by where its items are written (``agent.parallel_calls.with_written_lists``).
+            On by default; False returns the calls as the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
             is an end-of-generation token the grammar forbids: a runaway list, a value it cannot finish) and the

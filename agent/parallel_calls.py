@@ -272,16 +272,16 @@ def _shared_out(items: list[str], where: dict[str, list[int]], calls: int,
 def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> list[dict]:
     """``calls`` (a turn where several calls were asked for) with a list the calls of one tool all hold shared out
     among them by where ``text`` (the last user message) writes each item: where the calls of a tool differ in
-    exactly one top-level argument, a string written once in ``text`` in each call (:func:`agent.grounding.
-    written_at`), and hold the same top-level array of two or more strings, each written in ``text`` (not only
-    inside another item: "Frozen" in "Frozen II"), every item goes to the call whose string is written last before
-    it ("on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'" → ``["Friends"]`` for
-    Netflix, ``["The Office", "Stranger Things"]`` for Hulu; Qwen2.5-Coder-0.5B gave both calls all three: dev
-    split, docs/benchmarks.md "A list shared out"), where every item is written after some call's string and
-    every call gets one or more items; else, read the other way, to the call whose string is written first after
-    it ("Sushi in Seattle and Indian and Korean in Chicago"), where every item is written before some call's
-    string and every call gets one; where the calls then validate. Otherwise the calls stand ("Friends and The
-    Office on Netflix and Hulu": every item before both strings, Hulu gets none either way).
+    exactly one top-level argument, a string written once in ``text`` in each call
+    (:func:`agent.grounding.written_at`), and hold the same top-level array of two or more strings, each written in
+    ``text`` (not only inside another item: "Frozen" in "Frozen II"), every item goes to the call whose string is
+    written last before it ("on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'" →
+    ``["Friends"]`` for Netflix, ``["The Office", "Stranger Things"]`` for Hulu; Qwen2.5-Coder-0.5B gave both
+    calls all three: dev split, docs/benchmarks.md "A list shared out"), where every item is written after some
+    call's string and every call gets one or more items; else, read the other way, to the call whose string is
+    written first after it ("Sushi in Seattle and Indian and Korean in Chicago"), where every item is written
+    before some call's string and every call gets one; where the calls then validate. Otherwise the calls stand
+    ("Friends and The Office on Netflix and Hulu": every item before both strings, Hulu gets none either way).
 
     The rule reads where words stand, not what they say: "Netflix for 'Friends', and Hulu for 'Dark'; check both
     for 'Lost'" gives 'Lost' to Hulu only."""
@@ -305,6 +305,7 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
         where = {item: [p for p, end in spans[item] if not any(q <= p and end <= q_end and (q, q_end) != (p, end)
                                                                 for other in items if other != item
                                                                 for q, q_end in spans[other])] for item in items}
+
         def last_before(p: int, starts: list[int] = starts) -> int | None:
             return max((i for i, a in enumerate(starts) if a < p), key=starts.__getitem__, default=None)
 
