@@ -169,10 +169,9 @@ class Grounding:
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign
-        self.text = " ".join(text.casefold().split())
+        self.text = plain_text(text)
         self.words = set(_WORD.findall(self.text))
-        self._letter_words = _LETTER_WORD.findall(self.text)  # in order: initials of consecutive words
-        self._initials = "".join(w[0] for w in self._letter_words)
+        self._initials = "".join(w[0] for w in _LETTER_WORD.findall(self.text))  # of consecutive words, in order
         self.numbers = set()
         plain, percents = set(), set()
         for m in _NUMBER.finditer(text):
@@ -199,7 +198,7 @@ class Grounding:
         if isinstance(value, (int, float)):
             return number_key(value) in self.numbers
         if isinstance(value, str):
-            return " ".join(value.casefold().split()) in self.text or self.abbreviates(value)
+            return plain_text(value) in self.text or self.abbreviates(value)
         return False
 
     def abbreviates(self, value: str) -> bool:

@@ -216,9 +216,7 @@ def with_written_list_items(calls: list[dict], tools: list[Tool], text: str, max
                     continue
                 last = group[-1]["arguments"]
                 new = {**group[-1], "arguments": {**last, key: item if isinstance(last[key], int) else float(item)}}
-                try:
-                    tool.validate(new["arguments"])
-                except ToolCallError:
+                if not _validates(tool, [new]):
                     continue
                 # before the group's first call of an item later in the list, else after the group
                 rank = items.index(item)

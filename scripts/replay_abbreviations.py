@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.grounding import Grounding, conversation_text, grounded_call, takes_from_conversation  # noqa: E402
-from replay_grounding import recorded_turns  # noqa: E402 (this folder)
+from replay_grounding import Tally, recorded_turns  # noqa: E402 (this folder)
 
 
 class _Unread(Grounding):
@@ -29,24 +29,19 @@ class _Unread(Grounding):
 
 
 def main(paths: list[str]) -> int:
-    turns = changed = won = lost = choice = 0
+    turns = choice = 0
+    tally = Tally()
     for qid, _, turn, calls in recorded_turns(paths):
         turns += 1
         text = conversation_text(turn.messages)
         off, on = _Unread(text), Grounding(text)
-        before = [grounded_call(c, turn.tools, off) for c in calls]
-        after = [grounded_call(c, turn.tools, on) for c in calls]
         if any(takes_from_conversation(c, off) for c in calls) != any(takes_from_conversation(c, on) for c in calls):
             choice += 1
             print(qid, "tool choice differs:", json.dumps(calls)[:200])
-        if after != before:
-            changed += 1
-            was, right = bool(turn.check(before)), bool(turn.check(after))
-            won += right and not was
-            lost += was and not right
-            print(qid, f"{int(was)} -> {int(right)}", json.dumps(after)[:300])
-    print(f"turns with calls {turns}; calls changed in {changed}: won {won}, lost {lost}; tool choice differs in "
-          f"{choice}")
+        tally.add(qid, turn, [grounded_call(c, turn.tools, off) for c in calls],
+                  [grounded_call(c, turn.tools, on) for c in calls])
+    print(f"turns with calls {turns}; calls changed in {tally.changed}: won {tally.won}, lost {tally.lost}; tool "
+          f"choice differs in {choice}")
     return 0
 
 

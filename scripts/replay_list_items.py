@@ -1,12 +1,13 @@
-"""Replay the written-list rule (``agent.parallel_calls.with_written_list_items``) over recorded BFCL outputs
-(docs/benchmarks.md, "Items of a written list").
+"""Replay the written-list rules (``agent.parallel_calls.with_written_lists``: the items of a list of numbers, a
+list every call of a tool holds shared out) over recorded BFCL outputs (docs/benchmarks.md, "Items of a written
+list", "A list shared out").
 
 Each row of a ``python -m agent bfcl`` TSV holds the turn's decoded text. For every question where several calls
 are asked for (``parallel_tool_calls=True``: the parallel categories), this parses the calls, grounds them as
 ``LocalEngine.turn`` does (``agent.grounding.grounded_call``, then ``distinct_calls``), completes them over the
-written lists of numbers, scores both with the bfcl command's checker (BFCL's own where installed) and prints every
-question whose calls the rule changes, with both verdicts, then the counts. The rule acts after the decodes, so on
-a run made with it the verdicts "after" are the run's own.
+lists the user's last message writes, scores both with the bfcl command's checker (BFCL's own where installed)
+and prints every question whose calls the rules change, with both verdicts, then the counts. The rules act after
+the decodes, so on a run made with them the verdicts "after" are the run's own.
 
 Usage: ``python scripts/replay_list_items.py OUT.tsv [OUT.tsv …]`` (a question in several files: the first row).
 """
