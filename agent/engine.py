@@ -70,8 +70,9 @@ class EngineConfig:
             ``510``: ``agent.grounding.runs_numbers_together``) or writes zeros on past a written number ("$50"
             → ``500000``: ``agent.grounding.zeros_appended_prefixes``) is decoded again with integers starting so
             (``51``, ``101``, ``500``) taken out of the grammar; where several calls are asked for, a call is
-            added per item of a written list of numbers the calls go over and miss, and a list every call of a
-            tool holds is shared out by where its items are written (``agent.parallel_calls.with_written_lists``).
+            added per item of a written list of numbers the calls go over and miss, a list every call of a
+            tool holds is shared out by where its items are written, and "respectively" pairs two written lists
+            item by item (``agent.parallel_calls.with_written_lists``).
             On by default; False returns the calls as the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
@@ -234,6 +235,33 @@ class Engine(Protocol):
         ...
 
 
+class _HeldCalls:
+    """The text of a decode where several calls may come, as it may be streamed: all of it until its first call is
+    whole, then only up to the end of the last whole call. A call past the first can be dropped when it completes
+    (the several-call end rule: a repeat, or nothing new from the conversation; ``agent.parallel_calls``) or cut by
+    the budget; the decoder streams no step the end rule stopped at, so a call whose closing was streamed was
+    kept. Held text is released by the next whole call, or at the end of the turn (:meth:`LocalEngine.turn`
+    streams the returned text past what was streamed), so a dropped call is never streamed."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.reset()
+
+    def reset(self) -> None:
+        """A new decode of the turn begins."""
+        self.text, self.sent = "", 0
+
+    def release(self, piece: str) -> str:
+        """The text that may be streamed now, given the decode's next ``piece``; "" where all of it is held."""
+        self.text += piece
+        found = self.fmt.complete_calls(self.text)
+        safe = found[-1][1] if found else len(self.text)
+        if safe <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+
 class LocalEngine:
     """The in-process engine: the model's tool format + the turn grammar + :class:`decoding.Generator`.
 
@@ -314,31 +342,40 @@ class LocalEngine:
         with those tools masked out (at most ``config.grounding_retries`` times; under ``"auto"`` it becomes a
         text answer once no tool is left or the retries are spent, decoded again where it only restates a call as
         JSON; under ``"required"`` the first turn stands if no retry takes from the conversation), optional
-        arguments holding values the conversation does not write are dropped (then percents and copied enum lists
-        are read: ``agent.grounding.grounded_call``), and a turn that runs the items of a written list of numbers
-        together (``510`` for "5,10 and 15") or writes zeros on past a written number (``500000`` for "$50") is
-        decoded again with such integers taken out of the grammar; where several calls are asked for
-        (``parallel_tool_calls=True``), the calls are completed over the lists the user's last message writes
-        (``agent.parallel_calls.with_written_lists``: the items of a list of numbers; a list every call of a tool
-        holds, shared out). Before those, with ``config.tool_prior`` (the
+        arguments holding values the conversation does not write are dropped (copied enum lists, names written in
+        another order and percents read too: ``agent.grounding.grounded_call``), and a turn that runs the items of
+        a written list of numbers together (``510`` for "5,10 and 15") or writes zeros on past a written number
+        (``500000`` for "$50") is decoded again with such integers taken out of the grammar; where several calls
+        are asked for (``parallel_tool_calls=True``), the calls are completed over the lists the user's last
+        message writes (``agent.parallel_calls.with_written_lists``: the items of a list of numbers; a list every
+        call of a tool holds, shared out; two lists paired item by item where the message says "respectively").
+        Before those, with ``config.tool_prior`` (the
         default), a turn of one call out of two or more callable tools is decoded again restricted to the tool
         the model's prior points to where that differs (``agent.tool_prior``). ``text`` is the decoded text of
-        the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text, a discarded call's
-        too; ``on_discard`` (with ``on_text``) is called before each decode past the first, and where the turn
-        returned is an earlier decode than the last one streamed, or its text was cut after it streamed (a
-        several-call turn's dropped call), it is called again and the returned text goes to ``on_text`` once more
-        (a closing the engine wrote after the decoded text goes to it too): the text ``on_text`` saw after the
-        last ``on_discard`` is the returned turn's ``text``.
+        the turn returned; ``stats`` count every decode. ``on_text`` sees every decode's text; with
+        ``on_discard``, where several calls may come, a call past the first only once it is whole and kept
+        (:class:`_HeldCalls`: a call the several-call end rule drops is never streamed). ``on_discard`` (with
+        ``on_text``) is called before each decode past the first, and where the turn returned is an earlier decode
+        than the last one streamed, or its text was cut after it streamed, it is called again and the returned
+        text goes to ``on_text`` once more (a closing the engine wrote after the decoded text, or text held back,
+        goes to it too): the text ``on_text`` saw after the last ``on_discard`` is the returned turn's ``text``.
         """
         shown: list[DecodedTurn] = []  # the decodes whose text on_text saw, in order
         streamed: list[str] = []  # the pieces on_text saw of the last decode
         discard, stream = (on_discard, on_text) if on_text is not None else (None, None)
+        # several calls possible: a call past the first streams once it is whole and kept (_HeldCalls)
+        held = _HeldCalls(self.format) if (discard is not None and tools and self.format.parallel
+                                           and parallel_tool_calls is not False) else None
         if discard is not None:
             def on_text(piece: str) -> None:
-                streamed.append(piece)
-                stream(piece)
+                piece = held.release(piece) if held is not None else piece
+                if piece:
+                    streamed.append(piece)
+                    stream(piece)
 
         def decode(**kwargs) -> DecodedTurn:  # one decode of this turn (``_decode``'s keyword options)
+            if held is not None:
+                held.reset()
             if shown and discard is not None:
                 discard()  # the text streamed so far is void: the turn is decoded again
                 streamed.clear()

@@ -169,6 +169,7 @@ class Grounding:
 
     def __init__(self, text: str):
         text = text.replace("\u2212", "-")  # the minus sign
+        self.written = text  # as written: case and spacing kept
         self.text = plain_text(text)
         self.words = set(_WORD.findall(self.text))
         self._initials = "".join(w[0] for w in _LETTER_WORD.findall(self.text))  # of consecutive words, in order
@@ -551,13 +552,36 @@ _STOP_WORDS = frozenset("and the for with from into all any not per are has have
                         "over under near only more less than that this".split())
 
 
-def _asks_for(item: str, grounding: Grounding) -> bool:
+def _item_words(item: str) -> list[str]:
+    """The words of an enum item that can say what it is: three or more letters, not a stop word, case folded."""
+    return [w for w in _WORD.findall(item.casefold()) if len(w) >= 3 and w not in _STOP_WORDS]
+
+
+def _written_word(w: str, grounding: Grounding) -> bool:
+    """Whether the conversation writes ``w`` or the same word in another form (one a prefix of the other, four
+    letters or more)."""
+    return w in grounding.words or (len(w) >= 4 and any(
+        len(u) >= 4 and (u.startswith(w) or w.startswith(u)) for u in grounding.words))
+
+
+def _asks_for(item: str, grounding: Grounding, others: Iterable[str] = ()) -> bool:
     """Whether the conversation writes a word of ``item`` (three or more letters, not a stop word), or the same word
-    in another form (one a prefix of the other, four letters or more: "price"/"prices", "child"/"children"). An
-    item with no such word ("TV", "A") cannot be judged by its words: it counts as asked for."""
-    words = [w for w in _WORD.findall(item.casefold()) if len(w) >= 3 and w not in _STOP_WORDS]
-    return not words or any(w in grounding.words or (len(w) >= 4 and any(
-        len(u) >= 4 and (u.startswith(w) or w.startswith(u)) for u in grounding.words)) for w in words)
+    in another form (one a prefix of the other, four letters or more: "price"/"prices", "child"/"children"). A
+    word that another of the enum's items ``others`` also holds does not tell them apart: it asks for the item
+    only where no item holding it is asked for by a word of its own ("biking trails" asks for "Biking Trails", not
+    "Hiking Trails"; "a pool" for both "Indoor Pool" and "Outdoor Pool"). An item with no such word ("TV", "A")
+    cannot be judged by its words: it counts as asked for."""
+    words = _item_words(item)
+    if not words:
+        return True
+    rest = [_item_words(o) for o in others if o != item]
+    shared = {w for r in rest for w in r}
+    if any(_written_word(w, grounding) for w in words if w not in shared):
+        return True
+    # a shared word asks for every value holding it where none of them is asked for by a word of its own
+    return any(w in shared and _written_word(w, grounding)
+               and not any(_written_word(u, grounding) for r in rest if w in r for u in r if u not in words)
+               for w in words)
 
 
 def without_unasked_enum_items(call: dict, parameters: dict, grounding: Grounding) -> dict:
@@ -574,20 +598,70 @@ def without_unasked_enum_items(call: dict, parameters: dict, grounding: Groundin
         enum = items.get("enum") if isinstance(items, dict) else None
         if not isinstance(enum, list) or len(enum) < 3 or value != enum or not all(isinstance(x, str) for x in value):
             return None
-        kept = [x for x in value if _asks_for(x, grounding)]
+        kept = [x for x in value if _asks_for(x, grounding, enum)]
         return kept if 0 < len(kept) < len(value) else None
 
     return _map_arguments(call, parameters, asked)
+
+
+# words a name written in another order may hold besides its own ("Treaty of Tordesillas")
+_LINK_WORDS = frozenset("of the de la del von van".split())
+_NAME = re.compile(r"\w+(?: \w+)+")
+
+
+def written_reordered(value: str, text: str) -> str | None:
+    """Where ``text`` writes the words of ``value`` — a name: two or more distinct words, each starting with a
+    capital letter or a digit, single spaces, nothing else — in another order as a name with a link word, one or
+    two of "of", "the", "de", "la", "del", "von", "van" between them, single spaces only: that span of ``text`` as
+    written ("Treaty of Tordesillas" for ``"Tordesillas Treaty"``), the first such; else None. Not read: a value
+    with a lowercase word ("Boston to New York" for "New York to Boston": the order is the meaning), words
+    reordered without a link word ("Smith John" for "John Smith": a stated order may be meant)."""
+    if not _NAME.fullmatch(value) or not all(w[0].isupper() or w[0].isdigit() for w in value.split()):
+        return None
+    words = value.casefold().split()
+    if len(set(words)) != len(words):
+        return None
+    tokens = [(m.group().casefold(), m.start(), m.end()) for m in _WORD.finditer(text)]
+    for i, (first, _, _) in enumerate(tokens):
+        if first not in words:
+            continue
+        for j in range(i + len(words) - 1, min(len(tokens), i + len(words) + 2)):
+            span = tokens[i:j + 1]
+            own = [w for w, _, _ in span if w in words]
+            if (sorted(own) != sorted(words) or own == words or span[-1][0] not in words or len(own) == len(span)
+                    or any(w not in words and w not in _LINK_WORDS for w, _, _ in span)
+                    or any(text[a[2]:b[1]] != " " for a, b in zip(span, span[1:]))):
+                continue
+            return text[span[0][1]:span[-1][2]]
+    return None
+
+
+def names_as_written(call: dict, parameters: dict, grounding: Grounding) -> dict:
+    """``call`` with each top-level string argument the conversation does not write but writes the words of in
+    another order, as a name with a link word (:func:`written_reordered`), as the conversation writes it: ``"treaty_name": "Tordesillas
+    Treaty"`` for "the signing of the Treaty of Tordesillas" becomes ``"Treaty of Tordesillas"``
+    (Qwen2.5-Coder-0.5B, dev split, docs/benchmarks.md "Readings of the user's words").
+
+    Returns the same dict when nothing changes, else a new one; the caller validates it.
+    """
+    def as_written(name: str, value: Any, spec: dict) -> str | None:
+        if not isinstance(value, str) or value in grounding:
+            return None
+        return written_reordered(value, grounding.written)
+
+    return _map_arguments(call, parameters, as_written)
 
 
 def grounded_call(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:
     """``call`` with its values read against the conversation, one rule after the other, each kept only where the
     call still validates against its tool among ``tools`` (else that rule's change is dropped):
     :func:`without_unasked_enum_items` (first, so an optional list the model copied whole keeps what was asked for
-    rather than being dropped whole), :func:`drop_unwritten_optional`, :func:`fractions_for_percents` (the tool's
-    description read too). A call naming a tool not in ``tools`` is returned as decoded."""
+    rather than being dropped whole), :func:`names_as_written` (before the optional arguments are read, so a name
+    written in another order is kept as written), :func:`drop_unwritten_optional`, :func:`fractions_for_percents`
+    (the tool's description read too). A call naming a tool not in ``tools`` is returned as decoded."""
     return _with_rules(call, tools, (
         lambda c, tool: without_unasked_enum_items(c, tool.parameters, grounding),
+        lambda c, tool: names_as_written(c, tool.parameters, grounding),
         lambda c, tool: drop_unwritten_optional(c, tool.parameters, grounding),
         lambda c, tool: fractions_for_percents(c, tool.parameters, grounding, tool.description)))
 

@@ -20,7 +20,9 @@ After the decode, :func:`with_written_list_items` completes a turn where several
 of numbers the user's last message writes: where the calls of one tool differ only in one argument, each holding
 an item of the list, a call is added per item no call of the tool holds (the model asked for "a loan term of 15,
 20 and 30 years" writes the 15-year call and then repeats it), and :func:`with_shared_list_split` shares out a
-list every call of a tool holds by where each item is written (:func:`with_written_lists` applies both).
+list every call of a tool holds by where each item is written; where the message says "respectively",
+:func:`with_respective_pairs` drops the calls that pair two written lists other than item by item
+(:func:`with_written_lists` applies the three).
 """
 from __future__ import annotations
 
@@ -270,8 +272,10 @@ def _shared_out(items: list[str], where: dict[str, list[int]], calls: int,
 def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> list[dict]:
     """``calls`` (a turn where several calls were asked for) with a list the calls of one tool all hold shared out
     among them by where ``text`` (the last user message) writes each item: where the calls of a tool differ in
-    exactly one top-level argument, a string written once in ``text`` in each call
-    (:func:`agent.grounding.written_at`), and hold the same top-level array of two or more strings, each written in
+    exactly one top-level string argument, a string written once in ``text`` in each call
+    (:func:`agent.grounding.written_at`; other arguments may differ where they hold numbers or booleans: "around
+    Berkeley within 10 kilometers … one around Tokyo within 5"), and hold the same top-level array of two or
+    more strings, each written in
     ``text`` (not only inside another item: "Frozen" in "Frozen II"), every item goes to the call whose string is
     written last before it ("on Netflix for 'Friends', and Hulu for 'The Office' and 'Stranger Things'" →
     ``["Friends"]`` for Netflix, ``["The Office", "Stranger Things"]`` for Hulu; Qwen2.5-Coder-0.5B gave both
@@ -290,9 +294,14 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
         differ = [k for k in args if len({_value_key(c["arguments"][k]) for c in group}) > 1]
         shared = [k for k in args if isinstance(args[k], list) and len(args[k]) >= 2
                   and all(isinstance(x, str) for x in args[k]) and all(c["arguments"][k] == args[k] for c in group)]
-        if len(differ) != 1 or len(shared) != 1:
+        strings = [k for k in differ if all(isinstance(c["arguments"][k], str) for c in group)]
+        # besides the one string that tells the calls apart, only numbers or booleans may differ ("within 10
+        # kilometers", "within 5")
+        if len(strings) != 1 or len(shared) != 1 or not all(
+                all(_is_number(c["arguments"][k]) or isinstance(c["arguments"][k], bool) for c in group)
+                for k in differ if k not in strings):
             continue
-        key, items = differ[0], args[shared[0]]
+        key, items = strings[0], args[shared[0]]
         anchors = [written_at(plain, c["arguments"][key], plain=True) if isinstance(c["arguments"][key], str)
                    else [] for c in group]
         if any(len(a) != 1 for a in anchors) or len({a[0] for a in anchors}) != len(anchors):
@@ -320,9 +329,74 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
     return out
 
 
+_RESPECTIVELY = re.compile(r"\brespectively\b")
+_SENTENCE_END = re.compile(r"[.?!;](?= |$)")
+_WORD = re.compile(r"\w+")
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, str) or _is_number(value)
+
+
+def _respective_pairs(group: list[dict], plain: str, start: int,
+                      at: int) -> tuple[list[str], set[tuple[str, str]]] | None:
+    """The two arguments the calls ``group`` of one tool differ in, and the pairs of their values (``_value_key``)
+    that "respectively" at offset ``at`` of ``plain`` makes, reading its sentence from ``start``; None where it does
+    not speak of them (:func:`with_respective_pairs`)."""
+    args = group[0]["arguments"]
+    differ = [k for k in args if len({_value_key(c["arguments"][k]) for c in group}) > 1]
+    if len(differ) != 2 or not all(_scalar(c["arguments"][k]) for c in group for k in differ):
+        return None
+    orders, last_end = [], start
+    for k in differ:
+        last: dict[str, int] = {}  # each value's last place in the sentence before "respectively"
+        for c in group:
+            spans = [(p, e) for p, e in written_at(plain, c["arguments"][k], plain=True) if start <= p and e <= at]
+            if not spans:
+                return None
+            last[_value_key(c["arguments"][k])] = spans[-1][0]
+            last_end = max(last_end, spans[-1][1])
+        orders.append(sorted(last, key=last.__getitem__))
+    if len(orders[0]) != len(orders[1]) or len(orders[0]) < 2 or len(_WORD.findall(plain[last_end:at])) > 3:
+        return None  # lists of different lengths, or "respectively" not right after them
+    return differ, set(zip(*orders))
+
+
+def with_respective_pairs(calls: list[dict], tools: list[Tool], text: str) -> list[dict]:
+    """``calls`` (a turn where several calls were asked for) less the calls that pair two written lists other than
+    item by item where ``text`` (the last user message) says so with "respectively": where the calls of one tool
+    differ in exactly two top-level arguments, each a string or number written (:func:`agent.grounding.written_at`)
+    in the sentence of a "respectively" (not "not respectively") before it, the last value no more than three words
+    before it, and as many distinct values of one as of the other (two or more), the i-th value of one (in the
+    order of their last places there) goes with the i-th of the other. Where every such pair is among the calls,
+    the calls that hold another pair are dropped ("Barcelona and Manchester United in the UEFA Champions League and
+    La Liga respectively": Qwen2.5-Coder-0.5B added Manchester United in the Champions League; dev split,
+    docs/benchmarks.md "Readings of the user's words"). Otherwise the calls stand: the rule only drops calls, and
+    only where all the pairs the user wrote are there ("… every combination. My wife and I are 30 and 32
+    respectively" speaks of no call)."""
+    plain = plain_text(text)
+    dropped: set[int] = set()
+    for m in _RESPECTIVELY.finditer(plain):
+        if _WORD.findall(plain[max(0, m.start() - 8):m.start()])[-1:] == ["not"]:
+            continue
+        start = max((e.end() for e in _SENTENCE_END.finditer(plain, 0, m.start())), default=0)
+        for _, group in _groups(calls, tools):
+            found = _respective_pairs(group, plain, start, m.start())
+            if found is None:
+                continue
+            differ, pairs = found
+            pair_of = {id(c): (_value_key(c["arguments"][differ[0]]), _value_key(c["arguments"][differ[1]]))
+                       for c in group}
+            if pairs <= set(pair_of.values()):
+                dropped |= {i for i, pair in pair_of.items() if pair not in pairs}
+    return [c for c in calls if id(c) not in dropped] if dropped else calls
+
+
 def with_written_lists(calls: list[dict], tools: list[Tool], text: str, max_calls: int) -> list[dict]:
     """``calls`` (a turn where several calls were asked for) completed over the lists ``text`` (the last user
     message) writes: :func:`with_written_list_items` (the items of a list of numbers), then
-    :func:`with_shared_list_split` (a list every call of a tool holds, shared out). The rules read text, not
-    meaning."""
-    return with_shared_list_split(with_written_list_items(calls, tools, text, max_calls), tools, text)
+    :func:`with_shared_list_split` (a list every call of a tool holds, shared out), then
+    :func:`with_respective_pairs` (two lists paired item by item where the message says "respectively"). The
+    rules read text, not meaning."""
+    return with_respective_pairs(with_shared_list_split(with_written_list_items(calls, tools, text, max_calls),
+                                                        tools, text), tools, text)

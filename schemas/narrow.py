@@ -287,7 +287,8 @@ _PLACEHOLDER_REGEX = {"yyyy": "[0-9]{4}", "yy": "[0-9]{2}", "mm": "(?:0[1-9]|1[0
 
 
 def stated_format_pattern(description: str) -> str | None:
-    """The ``pattern`` of a date/time format a description states, or None.
+    """The ``pattern`` of a date/time format (or, where none is stated, a place format: :func:`_place_pattern`) a
+    description states, or None.
 
     Rule (general, never per tool): the description says ``in the format 'F'`` / ``format of 'F'`` / ``formatted
     as 'F'`` / ``in 'F' format`` (any quotes) and ``F`` is made only of the placeholders ``YYYY YY MM DD HH SS`` (any case; ``MM`` after
@@ -299,9 +300,50 @@ def stated_format_pattern(description: str) -> str | None:
     """
     found = {m.group(2) or m.group(4) for m in _STATED.finditer(description or "")}
     formats = [f for f in found if _placeholders(f) is not None]
-    if len(formats) != 1 or re.search(r"\bor\s+['\"`]", description):
+    if formats:
+        if len(formats) != 1 or re.search(r"\bor\s+['\"`]", description):
+            return None
+        return _placeholders(formats[0])
+    return _place_pattern(description or "")
+
+
+# "in the format of 'City, State'", "'City, State' or 'City, Country'": names of places, one comma between each
+_PLACE = r"(?:city|town|state|province|region|county|country)"
+_PLACE_FORMAT = re.compile(rf"{_PLACE}(?:, {_PLACE})+", re.IGNORECASE)
+_PLACE_ITEM = r"[^,\s](?:[^,\n]*[^,\s])?"  # no comma or line break, no space at either end
+# the description allows a lone place too: "just the city name outside the US", "or just 'City'", "only a country"
+_LONE_PLACE = re.compile(rf"""\b(?:just|only)\s+(?:the\s+|a\s+|an\s+)?(?:['"`])?{_PLACE}\b|['"`]{_PLACE}['"`]""",
+                         re.IGNORECASE)
+_NOT_STATED = re.compile(r"\b(?:not|never|no longer)\s+(?:\w+\s+){0,2}$", re.IGNORECASE)
+_OR_ALTERNATIVE = re.compile(r"""\s*,?\s*or\s+(['"`])([^'"`]+)\1""", re.IGNORECASE)
+
+
+def _place_pattern(description: str) -> str | None:
+    """The ``pattern`` of a place format a description states — ``'City, State'``, ``'City, Country'``,
+    ``'City, State, Country'`` (the words city, town, state, province, region, county and country, any case, a comma
+    and a space between each) — as its items: text without commas or spaces at either end, ``", "`` between them
+    (``^I, I$`` for two, ``I`` = ``[^,\\s](?:[^,]*[^,\\s])?``). The formats stated (``in the format of``,
+    ``formatted as``, as for dates) and the alternatives written right after one (``'City, State' or 'City,
+    Country'``) must all have the same number of items; an alternative of another kind (``or 'a ZIP code'``) gives
+    None, as does a description that also allows a lone place ("just the city name outside the US", "or just
+    'City'") or says "not" right before the format. Examples elsewhere in the text (``such as 'Berkeley, CA' or
+    'New York, NY'``) are not read."""
+    if _LONE_PLACE.search(description):
         return None
-    return _placeholders(formats[0])
+    counts = set()
+    for m in _STATED.finditer(description):
+        if _NOT_STATED.search(description, 0, m.start()):
+            return None
+        stated = [m.group(2) or m.group(4)]
+        if alt := _OR_ALTERNATIVE.match(description, m.end()):
+            stated.append(alt.group(2))
+        for f in stated:
+            if not _PLACE_FORMAT.fullmatch(f.strip()):
+                return None
+            counts.add(f.count(",") + 1)
+    if len(counts) != 1:
+        return None
+    return "^" + ", ".join([_PLACE_ITEM] * counts.pop()) + "$"
 
 
 def _placeholders(text: str) -> str | None:
@@ -328,7 +370,7 @@ def _placeholders(text: str) -> str | None:
 
 def stated_formats(schema: Any) -> Any:
     """A copy of ``schema`` where each string that sets no ``pattern``/``format``/``enum``/``const`` and whose
-    description states a date/time format (:func:`stated_format_pattern`) takes that format as its ``pattern``
+    description states a date/time or place format (:func:`stated_format_pattern`) takes that format as its ``pattern``
     (for the grammar only; a string ``default`` the pattern would refuse leaves the node alone). Returned as is
     when nothing applies."""
     if not any(_stated_applies(node) for node in narrowable_nodes(schema)):
@@ -509,8 +551,8 @@ def narrow_for_grammar(schema: Any, *, lenient: bool = False, max_string_length:
                        excluded_integer_prefixes: frozenset[str] = frozenset(),
                        compiles: Callable[[Any, bool], bool] | None = None) -> Any:
     """The schema the grammar enforces for ``schema``: integers kept to JSON's exact range (:func:`bound_integers`)
-    and, when asked, to no excluded prefix (:func:`integers_without_prefixes`), closed objects, date/time formats
-    its descriptions state (:func:`stated_formats`), then bounded scalars and arrays (when asked:
+    and, when asked, to no excluded prefix (:func:`integers_without_prefixes`), closed objects, date/time and place
+    formats its descriptions state (:func:`stated_formats`), then bounded scalars and arrays (when asked:
     :func:`bound_scalars`, :func:`bound_arrays`); each narrows only nodes whose narrowing narrows the whole
     (:func:`narrowable_nodes`).
 

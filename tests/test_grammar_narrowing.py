@@ -207,15 +207,22 @@ def test_response_format_is_closed_with_the_tool_rule(llt, smol_tokenizer, schem
     assert not accepts(llt, smol_tokenizer, grammar, json.dumps({**value, "extra": 1}))
 
 
-# -- 3. a date/time format a description states becomes a pattern -------------------------------------------------
+# -- 3. a date/time or place format a description states becomes a pattern ----------------------------------------
 @pytest.mark.parametrize("description,good,bad", [
     ("The day, in the format 'MM/DD/YYYY'.", "05/15/2023", "15/05/2023"),
     ("Formatted as 'YYYY-MM-DD HH:MM:SS' in UTC.", "2023-05-15 09:30:00", "2023-05-15T09:30"),
     ("The range, formatted as 'YYYY-MM-DD to YYYY-MM-DD'.", "2023-01-01 to 2023-02-01", "January 2023"),
     ("Start time in 'HH:MM' format.", "23:59", "24:00"),
     ("Date in the format of 'dd.mm.yyyy'.", "31.12.2023", "2023-12-31"),
+    # a place format: names with one comma and a space between (BFCL's live tools, 'San Francisco' for 'City, State')
+    ("The city, in the format of 'City, State', such as 'San Francisco, CA' or 'New York, NY'.", "San Francisco, CA",
+     "San Francisco"),
+    ("In the format of 'City, State' or 'City, Country'; for example, 'Paris, France'.", "Paris, France",
+     "Cancún, QR, Tulum, QR"),
+    ("Formatted as 'City, State, Country'.", "Austin, TX, USA", "Austin, TX"),
+    ("In the format 'City, State'.", "Boston, MA", "Boston ,MA"),
 ])
-def test_a_date_format_stated_in_a_description_constrains_the_value(llt, smol_tokenizer, description, good, bad):
+def test_a_date_or_place_format_stated_in_a_description_constrains_the_value(llt, smol_tokenizer, description, good, bad):
     schema = {"type": "object", "properties": {"when": {"type": "string", "description": description}},
               "required": ["when"]}
     grammar = turn_grammar(tools_of(Tool.from_schema("f", schema)), "required", max_string_length=200)
@@ -228,9 +235,13 @@ def test_a_date_format_stated_in_a_description_constrains_the_value(llt, smol_to
     {"type": "string", "description": "In the format 'YYYY-MM-DD' or 'today'."},
     {"type": "string", "description": "In the format 'YYYY-MM-DD'.", "default": "today"},
     {"type": "string", "description": "In the format 'YYYY-MM-DD'.", "enum": ["soon", "later"]},
-    {"type": "string", "description": "In the format 'City, State'."},
-], ids=["format-as-value", "or-another", "default-outside", "enum", "not-a-date"])
-def test_a_description_that_does_not_state_one_date_format_leaves_the_string_free(llt, smol_tokenizer, prop):
+    {"type": "string", "description": "In the format 'City, State' or 'a ZIP code'."},
+    {"type": "string", "description": "In the format 'City, State' or 'City, State, Country'."},
+    {"type": "string", "description": "In the format 'City, State'.", "default": "Boston"},
+    {"type": "string", "description": "The city, such as 'Berkeley, CA' or 'New York, NY'."},
+], ids=["format-as-value", "or-another", "default-outside", "enum", "place-or-zip", "place-two-shapes",
+        "place-default-outside", "place-examples-only"])
+def test_a_description_that_does_not_state_one_format_leaves_the_string_free(llt, smol_tokenizer, prop):
     from schemas.narrow import stated_formats
 
     schema = {"type": "object", "properties": {"v": prop}, "required": ["v"]}

@@ -349,6 +349,60 @@ def test_an_array_that_copies_its_enum_keeps_the_values_the_conversation_asks_fo
         "amenities": ["Parking"]}  # "and", "the": no sign of being asked for
 
 
+def test_a_word_two_enum_values_share_does_not_tell_them_apart():
+    from agent.grounding import without_unasked_enum_items
+
+    trails = ["Picnic Tables", "Public Restrooms", "Playgrounds", "Biking Trails", "Hiking Trails", "Camping Grounds"]
+    reserve = {"type": "object", "properties": {"amenities": {"type": "array", "items": {"enum": trails}}}}
+    c = {"arguments": {"amenities": trails}}
+    # dev split, parallel_27: "trails" is in two values; "biking" asks for one of them only
+    g = Grounding("a nature reserve with picnic tables and public restrooms, and one with playgrounds and biking "
+                  "trails")
+    assert without_unasked_enum_items(c, reserve, g)["arguments"] == {"amenities": trails[:4]}
+    # "trails" asks for both values holding it where neither's own word is written; "bike" for one
+    both = {"type": "object", "properties": {"x": {"type": "array", "items": {"enum": ["Trails", "Bike Trails",
+                                                                                      "Lakes"]}}}}
+    c = {"arguments": {"x": ["Trails", "Bike Trails", "Lakes"]}}
+    assert without_unasked_enum_items(c, both, Grounding("walking trails"))["arguments"] == {
+        "x": ["Trails", "Bike Trails"]}
+    assert without_unasked_enum_items(c, both, Grounding("bike trails"))["arguments"] == {"x": ["Bike Trails"]}
+    # a shared word no value's own word asks for asks for all that hold it (a helper's case)
+    pools = ["Indoor Pool", "Outdoor Pool", "Gym", "Spa"]
+    hotel = {"type": "object", "properties": {"x": {"type": "array", "items": {"enum": pools}}}}
+    c = {"arguments": {"x": pools}}
+    assert without_unasked_enum_items(c, hotel, Grounding("a hotel with a pool and a gym"))["arguments"] == {
+        "x": ["Indoor Pool", "Outdoor Pool", "Gym"]}
+    assert without_unasked_enum_items(c, hotel, Grounding("an outdoor pool and a gym"))["arguments"] == {
+        "x": ["Outdoor Pool", "Gym"]}
+    c = {"arguments": {"amenities": trails}}
+    assert without_unasked_enum_items(c, reserve, Grounding("all kinds of trails, and picnic tables"))[
+        "arguments"] == {"amenities": ["Picnic Tables", "Biking Trails", "Hiking Trails"]}
+
+
+def test_a_name_written_in_another_order_is_kept_as_the_conversation_writes_it():
+    from agent.grounding import names_as_written, written_reordered
+
+    text = "Find overview about the Battle of Waterloo and the signing of the Treaty of Tordesillas."
+    treaty = {"type": "object", "properties": {"treaty_name": {"type": "string"}, "n": {"type": "integer"}}}
+    call = {"name": "treaty", "arguments": {"treaty_name": "Tordesillas Treaty", "n": 2}}  # dev, parallel_multiple_36
+    assert names_as_written(call, treaty, Grounding(text))["arguments"] == {"treaty_name": "Treaty of Tordesillas",
+                                                                            "n": 2}
+    for same in ("Treaty of Tordesillas",  # written: nothing to do
+                 "Tordesillas Pact",  # a word not written
+                 "Waterloo Battle Tordesillas",  # not written together
+                 "Tordesillas, Treaty"):  # punctuation: not a plain name
+        c = {"arguments": {"treaty_name": same}}
+        assert names_as_written(c, treaty, Grounding(text)) is c
+    assert written_reordered("California University", "the university of California") == "university of California"
+    assert written_reordered("Tordesillas Treaty", "the Treaty of  Tordesillas") is None  # two spaces: not a name
+    assert written_reordered("Tordesillas Treaty", "the treaty of the de Tordesillas") is None  # three link words
+    assert written_reordered("York York", "York of York") is None
+    # no link word, or a lowercase word: the order may be the meaning (a helper's cases)
+    assert written_reordered("Smith John", "John Smith") is None
+    assert written_reordered("Boston to New York", "I took New York to Boston") is None
+    assert written_reordered("Arsenal vs Chelsea", "Chelsea vs Arsenal") is None
+
+
 def test_grounded_call_keeps_a_rule_only_where_the_call_still_validates():
     from agent.grounding import grounded_call
 
@@ -625,6 +679,78 @@ def test_a_list_every_call_holds_is_shared_out_by_where_each_item_is_written():
         _shows("Netflix", ["Friends"]), other, _shows("Hulu", ["The Office", "Stranger Things"])]
 
 
+def test_a_shared_list_is_shared_out_where_numbers_differ_too():
+    from agent.parallel_calls import with_shared_list_split
+
+    reserve = Tool("reserve", "", {"type": "object", "properties": {
+        "location": {"type": "string"}, "amenities": {"type": "array", "items": {"type": "string"}},
+        "km": {"type": "integer"}, "open": {"type": "boolean"}, "region": {"type": "string"}}})
+    items = ["Picnic Tables", "Public Restrooms", "Playgrounds", "Biking Trails"]
+
+    def call(where, km, **more):
+        return {"name": "reserve", "arguments": {"location": where, "amenities": items, "km": km, **more}}
+
+    text = ("A nature reserve around Berkeley within 10 kilometers that has picnic tables and public restrooms, as "
+            "well as one around Tokyo within 5 kilometers that has playgrounds and biking trails.")
+    out = with_shared_list_split([call("Berkeley", 10), call("Tokyo", 5)], [reserve], text)  # dev, parallel_27
+    assert [c["arguments"]["amenities"] for c in out] == [items[:2], items[2:]]
+    assert [c["arguments"]["km"] for c in out] == [10, 5]
+    # two strings differ: which one the items follow is not known, the calls stand
+    two = [call("Berkeley", 10, region="CA"), call("Tokyo", 5, region="Kanto")]
+    assert with_shared_list_split(two, [reserve], text + " CA Kanto") == two
+    opened = [call("Berkeley", 10, open=True), call("Tokyo", 5, open=False)]
+    assert [c["arguments"]["amenities"] for c in with_shared_list_split(opened, [reserve], text)] == [items[:2],
+                                                                                                    items[2:]]
+
+
+def _rank(team, league):
+    return {"name": "rank", "arguments": {"team": team, "league": league}}
+
+
+RANK = Tool("rank", "", {"type": "object", "properties": {"team": {"type": "string"}, "league": {"type": "string"}},
+                         "required": ["team", "league"]})
+
+
+def test_respectively_drops_the_calls_that_pair_two_lists_otherwise():
+    from agent.parallel_calls import with_respective_pairs
+
+    text = ("What is the current ranking of Barcelona and Manchester United in the UEFA Champions League and La Liga "
+            "respectively?")
+    three = [_rank("Barcelona", "UEFA Champions League"), _rank("Manchester United", "UEFA Champions League"),
+             _rank("Manchester United", "La Liga")]  # dev split, parallel_47 (Qwen2.5-Coder-0.5B)
+    assert with_respective_pairs(three, [RANK], text) == [three[0], three[2]]
+    # no "respectively": every pair may be wanted
+    assert with_respective_pairs(three, [RANK], text.replace(" respectively", "")) == three
+    # a pair the user wrote is missing: nothing is dropped
+    assert with_respective_pairs(three[:2], [RANK], text) == three[:2]
+    # a value not written, or lists of different lengths: the calls stand
+    invented = three + [_rank("Barcelona", "Serie A")]
+    assert with_respective_pairs(invented, [RANK], text) == invented
+    assert with_respective_pairs(invented, [RANK], text + " Serie A too") == invented
+    # numbers pair too; the order is the order first written, not the order of the calls
+    loan = Tool("loan", "", {"type": "object", "properties": {"bank": {"type": "string"}, "rate": {"type": "number"}}})
+    calls = [{"name": "loan", "arguments": {"bank": b, "rate": r}}
+             for b, r in (("Chase", 4.5), ("Ally", 4.5), ("Ally", 3.9), ("Chase", 3.9))]
+    assert with_respective_pairs(calls, [loan], "Rates of 3.9 and 4.5 at Ally and Chase respectively") == [
+        calls[0], calls[2]]  # Chase 4.5, Ally 3.9
+    # "respectively" of something else, or not right after the lists, or "not respectively" (a helper's cases)
+    for other in ("What is the ranking of Barcelona and Manchester United in the UEFA Champions League and La Liga. "
+                  "My sons are 10 and 12 respectively.",
+                  "Barcelona and Manchester United in the UEFA Champions League and La Liga, and the weather in "
+                  "Oslo and Bergen in C and F respectively",
+                  "Barcelona and Manchester United in the UEFA Champions League and La Liga - not respectively"):
+        assert with_respective_pairs(three, [RANK], other) == three
+    # the pairs are read in the sentence of "respectively", from each value's last place there
+    four = three + [_rank("Barcelona", "La Liga")]
+    assert with_respective_pairs(four, [RANK], "I mostly follow La Liga. The ranking of Barcelona and Manchester "
+                                 "United in the UEFA Champions League and La Liga respectively?") == [three[0], three[2]]
+    years = Tool("loan", "", {"type": "object", "properties": {"amount": {"type": "integer"},
+                                                               "years": {"type": "integer"}}})
+    loans = [{"name": "loan", "arguments": {"amount": a, "years": y}} for a in (100000, 200000) for y in (15, 30)]
+    assert with_respective_pairs(loans, [years], "On the 30 of May: loans of 100000 and 200000 over 15 and 30 years "
+                                 "respectively") == [loans[0], loans[3]]
+
+
 def test_with_written_lists_applies_both_list_rules():
     from agent.parallel_calls import with_written_lists
 
@@ -704,6 +830,38 @@ def test_text_streamed_after_the_last_discard_is_the_returned_turns_text(smol_di
     _streaming_decodes(monkeypatch, engine, [first, _turn(None, text="cut", stop="length", is_call=True)])
     engine.turn(RIDE_ASK, [RIDES], "required", on_text=on_text)
     assert seen == ["first", "cut"]
+
+
+def test_a_call_past_the_first_streams_once_whole_so_a_dropped_one_never_streams(smol_dir, monkeypatch):
+    """Several calls: the first streams as decoded, each later one once whole (and kept: the decoder streams no step
+    the end rule stopped at), so a call the end rule drops or the budget cuts is never streamed: no discard."""
+    _, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+
+    def block(cost):
+        return f'<tool_call>\n{{"name": "rides", "arguments": {{"max_cost": {cost}}}}}\n</tool_call>'
+    kept = block(50) + "\n" + block(40)
+    decoded = kept + "\n" + block(50)[:-20]  # the third call (a repeat) was being written when the rule fired
+    pieces = [decoded[i:i + 7] for i in range(0, len(decoded), 7)]
+    turn = _turn([{"name": "rides", "arguments": {"max_cost": c}} for c in (50, 40)], text=kept, stop="stop")
+
+    def decode(*args, **kwargs):
+        for piece in pieces:
+            args[6](piece)
+        return turn
+    monkeypatch.setattr(engine, "_decode", decode)
+    seen = []
+    for parallel in (True, None):
+        seen.clear()
+        out = engine.turn(RIDE_ASK, [RIDES], "required", parallel_tool_calls=parallel, on_text=seen.append,
+                          on_discard=lambda: seen.append(None))
+        assert out is turn and None not in seen and "".join(seen) == kept
+        assert seen[:3] == pieces[:3]  # the first call streams as it is decoded
+        assert "\n" + block(40) in seen  # the second streams whole (the text before it too), once it closes
+    seen.clear()  # one call at most: streamed as decoded, a cut discarded as before
+    engine.turn(RIDE_ASK, [RIDES], "required", parallel_tool_calls=False, on_text=seen.append,
+                on_discard=lambda: seen.append(None))
+    assert seen[:len(pieces)] == pieces and seen[len(pieces)] is None and seen[-1] == kept
 
 
 def test_agent_stream_marks_a_turn_decoded_again_with_a_discard_event(smol_dir, monkeypatch):
