@@ -322,7 +322,7 @@ def _place_pattern(description: str) -> str | None:
     """The ``pattern`` of a place format a description states — ``'City, State'``, ``'City, Country'``,
     ``'City, State, Country'`` (the words city, town, state, province, region, county and country, any case, a comma
     and a space between each) — as its items: text without commas or spaces at either end, ``", "`` between them
-    (``^I, I$`` for two, ``I`` = ``[^,\\s](?:[^,]*[^,\\s])?``). The formats stated (``in the format of``,
+    (``^I, I$`` for two, ``I`` = ``[^,\\s](?:[^,\\n]*[^,\\s])?``). The formats stated (``in the format of``,
     ``formatted as``, as for dates) and the alternatives written right after one (``'City, State' or 'City,
     Country'``) must all have the same number of items; an alternative of another kind (``or 'a ZIP code'``) gives
     None, as does a description that also allows a lone place ("just the city name outside the US", "or just
@@ -370,8 +370,8 @@ def _placeholders(text: str) -> str | None:
 
 def stated_formats(schema: Any) -> Any:
     """A copy of ``schema`` where each string that sets no ``pattern``/``format``/``enum``/``const`` and whose
-    description states a date/time or place format (:func:`stated_format_pattern`) takes that format as its ``pattern``
-    (for the grammar only; a string ``default`` the pattern would refuse leaves the node alone). Returned as is
+    description states a date/time or place format (:func:`stated_format_pattern`) takes that format as its
+    ``pattern`` (for the grammar only; a string ``default`` the pattern would refuse leaves the node alone). Returned as is
     when nothing applies."""
     if not any(_stated_applies(node) for node in narrowable_nodes(schema)):
         return schema

@@ -239,8 +239,13 @@ def test_a_date_or_place_format_stated_in_a_description_constrains_the_value(llt
     {"type": "string", "description": "In the format 'City, State' or 'City, State, Country'."},
     {"type": "string", "description": "In the format 'City, State'.", "default": "Boston"},
     {"type": "string", "description": "The city, such as 'Berkeley, CA' or 'New York, NY'."},
+    # a lone place allowed too, or the format negated (a helper's cases)
+    {"type": "string", "description": "In the format of 'City, State'. Use just the city name outside the US."},
+    {"type": "string", "description": "In the format 'City, State' (US) or just 'City' elsewhere."},
+    {"type": "string", "description": "Not in the format 'City, State'; give a ZIP code."},
 ], ids=["format-as-value", "or-another", "default-outside", "enum", "place-or-zip", "place-two-shapes",
-        "place-default-outside", "place-examples-only"])
+        "place-default-outside", "place-examples-only", "place-or-lone-city", "place-or-quoted-city",
+        "place-negated"])
 def test_a_description_that_does_not_state_one_format_leaves_the_string_free(llt, smol_tokenizer, prop):
     from schemas.narrow import stated_formats
 
