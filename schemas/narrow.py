@@ -294,14 +294,15 @@ def stated_format_pattern(description: str) -> str | None:
     as 'F'`` / ``in 'F' format`` (any quotes) and ``F`` is made only of the placeholders ``YYYY YY MM DD HH SS`` (any case; ``MM`` after
     ``HH:`` is minutes), separators ``- / : . , T`` and spaces, and `` to `` (a range), with at least two
     placeholders; e.g. ``'MM/DD/YYYY'`` → ``^(?:0[1-9]|1[0-2])/(?:0[1-9]|[12][0-9]|3[01])/[0-9]{4}$``. Exactly one
-    such format must be stated (two different ones, or ``… or 'today'``, give None); a description that merely
-    shows a format as an example (``such as 'MM/DD/YYYY'``, e.g. for a parameter whose value *is* a format) is not
-    matched.
+    such format must be stated (two different ones, ``… or 'today'``, or "not" right before the format give None);
+    a description that merely shows a format as an example (``such as 'MM/DD/YYYY'``, e.g. for a parameter whose
+    value *is* a format) is not matched.
     """
-    found = {m.group(2) or m.group(4) for m in _STATED.finditer(description or "")}
-    formats = [f for f in found if _placeholders(f) is not None]
+    stated = list(_STATED.finditer(description or ""))
+    formats = list({f for m in stated if _placeholders(f := m.group(2) or m.group(4)) is not None})
     if formats:
-        if len(formats) != 1 or re.search(r"\bor\s+['\"`]", description):
+        if (len(formats) != 1 or re.search(r"\bor\s+['\"`]", description)
+                or any(_NOT_STATED.search(description, 0, m.start()) for m in stated)):
             return None
         return _placeholders(formats[0])
     return _place_pattern(description or "")

@@ -243,9 +243,10 @@ def test_a_date_or_place_format_stated_in_a_description_constrains_the_value(llt
     {"type": "string", "description": "In the format of 'City, State'. Use just the city name outside the US."},
     {"type": "string", "description": "In the format 'City, State' (US) or just 'City' elsewhere."},
     {"type": "string", "description": "Not in the format 'City, State'; give a ZIP code."},
+    {"type": "string", "description": "The day as a weekday name, not in the format 'YYYY-MM-DD'."},
 ], ids=["format-as-value", "or-another", "default-outside", "enum", "place-or-zip", "place-two-shapes",
         "place-default-outside", "place-examples-only", "place-or-lone-city", "place-or-quoted-city",
-        "place-negated"])
+        "place-negated", "date-negated"])
 def test_a_description_that_does_not_state_one_format_leaves_the_string_free(llt, smol_tokenizer, prop):
     from schemas.narrow import stated_formats
 
