@@ -465,11 +465,9 @@ class LocalEngine:
                 stats = stats + out.stats
         out.stats = stats
         if out.calls:
-            out.calls = distinct_calls([grounded_call(c, allowed, grounding) for c in out.calls])
-            if parallel_tool_calls is True and mode != "none":
-                # several asked for: the calls completed over the lists the user's last message writes
-                out.calls = with_written_lists(out.calls, allowed, last_user_text(messages),
-                                               config.max_parallel_calls)
+            out.calls = returned_calls(out.calls, allowed, messages, grounding,
+                                       several=parallel_tool_calls is True and mode != "none",
+                                       max_calls=config.max_parallel_calls)
         return out
 
     def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,
@@ -662,6 +660,17 @@ class LocalEngine:
 
 
 FENCE = "```"  # opens a Markdown code block
+
+
+def returned_calls(calls: list[dict], tools: list[Tool], messages: list[dict], grounding: Grounding, *,
+                   several: bool, max_calls: int) -> list[dict]:
+    """A grounded turn's decoded ``calls`` as :meth:`LocalEngine.turn` returns them: each read against the
+    conversation (``agent.grounding.grounded_call``), each once (:func:`distinct_calls`), and where ``several``
+    calls were asked for, completed over the lists the user's last message writes
+    (``agent.parallel_calls.with_written_lists``, at most ``max_calls``). The replay scripts call it too, so a
+    replay applies what the engine applies."""
+    out = distinct_calls([grounded_call(c, tools, grounding) for c in calls])
+    return with_written_lists(out, tools, last_user_text(messages), max_calls) if several else out
 
 
 def distinct_calls(calls: list[dict]) -> list[dict]:

@@ -245,6 +245,12 @@ def _groups(calls: list[dict], tools: list[Tool]) -> Iterator[tuple[Tool, list[d
             yield by_name[name], group
 
 
+def _differing(group: list[dict]) -> list[str]:
+    """The top-level arguments whose values differ between the calls ``group`` (one tool, the same argument names:
+    :func:`_groups`), in the first call's order."""
+    return [k for k in group[0]["arguments"] if len({_value_key(c["arguments"][k]) for c in group}) > 1]
+
+
 def _validates(tool: Tool, calls: list[dict]) -> bool:
     try:
         for c in calls:
@@ -291,7 +297,7 @@ def with_shared_list_split(calls: list[dict], tools: list[Tool], text: str) -> l
     plain = plain_text(text)
     for tool, group in list(_groups(calls, tools)):
         args = group[0]["arguments"]
-        differ = [k for k in args if len({_value_key(c["arguments"][k]) for c in group}) > 1]
+        differ = _differing(group)
         shared = [k for k in args if isinstance(args[k], list) and len(args[k]) >= 2
                   and all(isinstance(x, str) for x in args[k]) and all(c["arguments"][k] == args[k] for c in group)]
         strings = [k for k in differ if all(isinstance(c["arguments"][k], str) for c in group)]
@@ -343,8 +349,7 @@ def _respective_pairs(group: list[dict], plain: str, start: int,
     """The two arguments the calls ``group`` of one tool differ in, and the pairs of their values (``_value_key``)
     that "respectively" at offset ``at`` of ``plain`` makes, reading its sentence from ``start``; None where it does
     not speak of them (:func:`with_respective_pairs`)."""
-    args = group[0]["arguments"]
-    differ = [k for k in args if len({_value_key(c["arguments"][k]) for c in group}) > 1]
+    differ = _differing(group)
     if len(differ) != 2 or not all(_scalar(c["arguments"][k]) for c in group for k in differ):
         return None
     orders, last_end = [], start

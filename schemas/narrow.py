@@ -299,13 +299,14 @@ def stated_format_pattern(description: str) -> str | None:
     value *is* a format) is not matched.
     """
     stated = list(_STATED.finditer(description or ""))
+    if any(_NOT_STATED.search(description, 0, m.start()) for m in stated):
+        return None  # "not in the format …"
     formats = list({f for m in stated if _placeholders(f := m.group(2) or m.group(4)) is not None})
     if formats:
-        if (len(formats) != 1 or re.search(r"\bor\s+['\"`]", description)
-                or any(_NOT_STATED.search(description, 0, m.start()) for m in stated)):
+        if len(formats) != 1 or re.search(r"\bor\s+['\"`]", description):
             return None
         return _placeholders(formats[0])
-    return _place_pattern(description or "")
+    return _place_pattern(description or "", stated)
 
 
 # "in the format of 'City, State'", "'City, State' or 'City, Country'": names of places, one comma between each
@@ -319,7 +320,7 @@ _NOT_STATED = re.compile(r"\b(?:not|never|no longer)\s+(?:\w+\s+){0,2}$", re.IGN
 _OR_ALTERNATIVE = re.compile(r"""\s*,?\s*or\s+(['"`])([^'"`]+)\1""", re.IGNORECASE)
 
 
-def _place_pattern(description: str) -> str | None:
+def _place_pattern(description: str, stated: list[re.Match]) -> str | None:
     """The ``pattern`` of a place format a description states — ``'City, State'``, ``'City, Country'``,
     ``'City, State, Country'`` (the words city, town, state, province, region, county and country, any case, a comma
     and a space between each) — as its items: text without commas or spaces at either end, ``", "`` between them
@@ -327,18 +328,17 @@ def _place_pattern(description: str) -> str | None:
     ``formatted as``, as for dates) and the alternatives written right after one (``'City, State' or 'City,
     Country'``) must all have the same number of items; an alternative of another kind (``or 'a ZIP code'``) gives
     None, as does a description that also allows a lone place ("just the city name outside the US", "or just
-    'City'") or says "not" right before the format. Examples elsewhere in the text (``such as 'Berkeley, CA' or
-    'New York, NY'``) are not read."""
+    'City'"). ``stated``: the description's matches of the stated-format phrases (:func:`stated_format_pattern`
+    has found them, and none said with "not" before it). Examples elsewhere in the text (``such as 'Berkeley, CA'
+    or 'New York, NY'``) are not read."""
     if _LONE_PLACE.search(description):
         return None
     counts = set()
-    for m in _STATED.finditer(description):
-        if _NOT_STATED.search(description, 0, m.start()):
-            return None
-        stated = [m.group(2) or m.group(4)]
+    for m in stated:
+        formats = [m.group(2) or m.group(4)]
         if alt := _OR_ALTERNATIVE.match(description, m.end()):
-            stated.append(alt.group(2))
-        for f in stated:
+            formats.append(alt.group(2))
+        for f in formats:
             if not _PLACE_FORMAT.fullmatch(f.strip()):
                 return None
             counts.add(f.count(",") + 1)

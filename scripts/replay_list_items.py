@@ -4,7 +4,7 @@ list", "A list shared out").
 
 Each row of a ``python -m agent bfcl`` TSV holds the turn's decoded text. For every question where several calls
 are asked for (``parallel_tool_calls=True``: the parallel categories), this parses the calls, grounds them as
-``LocalEngine.turn`` does (``agent.grounding.grounded_call``, then ``distinct_calls``), completes them over the
+``LocalEngine.turn`` does (``agent.engine.returned_calls`` without the list rules), completes them over the
 lists the user's last message writes, scores both with the bfcl command's checker (BFCL's own where installed)
 and prints every question whose calls the rules change, with both verdicts, then the counts. The rules act after
 the decodes, so on a run made with them the verdicts "after" are the run's own.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, distinct_calls  # noqa: E402
-from agent.grounding import Grounding, conversation_text, grounded_call, last_user_text  # noqa: E402
+from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, returned_calls  # noqa: E402
+from agent.grounding import Grounding, conversation_text, last_user_text  # noqa: E402
 from agent.parallel_calls import with_written_lists  # noqa: E402
 from replay_grounding import Tally, recorded_turns  # noqa: E402 (this folder)
 
@@ -31,9 +31,10 @@ def main(paths: list[str]) -> int:
         if turn.parallel is not True:
             continue
         turns += 1
-        text = conversation_text(turn.messages)
-        grounding = Grounding(text)
-        before = distinct_calls([grounded_call(c, turn.tools, grounding) for c in calls])
+        grounding = Grounding(conversation_text(turn.messages))
+        # the engine's calls without the written-list rules, then with them
+        before = returned_calls(calls, turn.tools, turn.messages, grounding, several=False,
+                                max_calls=DEFAULT_MAX_PARALLEL_CALLS)
         asked = last_user_text(turn.messages)
         tally.add(qid, turn, before, with_written_lists(before, turn.tools, asked, DEFAULT_MAX_PARALLEL_CALLS))
     print(f"turns asked for several calls {turns}; the rule changes the calls of {tally.changed}: "

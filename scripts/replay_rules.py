@@ -2,10 +2,10 @@
 checkouts' rules can be compared on the same recorded outputs (docs/benchmarks.md "Readings of the user's words").
 
 Each row of a ``python -m agent bfcl`` TSV holds the turn's decoded text. This parses its calls and applies what
-``LocalEngine.turn`` applies after its decodes — ``agent.grounding.grounded_call`` and ``distinct_calls``, then,
-where several calls are asked for (``parallel_tool_calls=True``: the parallel categories),
-``agent.parallel_calls.with_written_lists`` — scores them with the bfcl command's checker (BFCL's own where
-installed) and prints ``ID  RECORDED  NOW  CALLS`` (verdicts 0/1, the calls as JSON). Rules that decide a decode
+``LocalEngine.turn`` applies after its decodes (``agent.engine.returned_calls``: ``agent.grounding.grounded_call``
+and ``distinct_calls``, then, where several calls are asked for, ``parallel_tool_calls=True`` in the parallel
+categories, ``agent.parallel_calls.with_written_lists``) — scores them with the bfcl command's checker (BFCL's
+own where installed) and prints ``ID  RECORDED  NOW  CALLS`` (verdicts 0/1, the calls as JSON). Rules that decide a decode
 (a retry, the end of a several-call turn) are not replayed: a line here equals a run of the same checkout where
 those decide alike.
 
@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, distinct_calls  # noqa: E402
-from agent.grounding import Grounding, conversation_text, grounded_call, last_user_text  # noqa: E402
-from agent.parallel_calls import with_written_lists  # noqa: E402
+from agent.engine import DEFAULT_MAX_PARALLEL_CALLS, returned_calls  # noqa: E402
+from agent.grounding import Grounding, conversation_text  # noqa: E402
 from replay_grounding import recorded_turns  # noqa: E402 (this folder)
 
 
@@ -30,9 +29,8 @@ def main(paths: list[str]) -> int:
     right = turns = 0
     for qid, verdict, turn, calls in recorded_turns(paths):
         grounding = Grounding(conversation_text(turn.messages))
-        out = distinct_calls([grounded_call(c, turn.tools, grounding) for c in calls])
-        if turn.parallel is True:
-            out = with_written_lists(out, turn.tools, last_user_text(turn.messages), DEFAULT_MAX_PARALLEL_CALLS)
+        out = returned_calls(calls, turn.tools, turn.messages, grounding, several=turn.parallel is True,
+                             max_calls=DEFAULT_MAX_PARALLEL_CALLS)
         now = int(bool(turn.check(out)))
         right += now
         turns += 1
