@@ -352,7 +352,7 @@ class Agent:
                     result.truncated = True
                     break
             out = self.engine.turn(messages, list(self.registry), choice,
-                                   response.schema if response else None, parallel_tool_calls,
+                                   response, parallel_tool_calls,
                                    config.override(max_new_tokens=budget), on_text, **streaming)
             result.stats = result.stats + out.stats
             result.steps += 1
@@ -460,11 +460,22 @@ class Agent:
                 raise ValueError(f"message {i} has no 'role'")
             if m["role"] not in ROLES:
                 raise ValueError(f"message {i}: role {m['role']!r} is not one of {', '.join(ROLES)}")
+            if m["role"] == "developer":  # OpenAI's newer name for system instructions (as the server reads it)
+                m["role"] = "system"
             content = m.get("content")
-            if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            calls = m.get("tool_calls")
+            if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(tc, dict) and isinstance(tc.get("function", tc), dict) for tc in calls)):
+                raise ValueError(f"message {i}: 'tool_calls' must be a list of calls {{'id', 'type': 'function', "
+                                 f"'function': {{'name', 'arguments'}}}} on an assistant message")
+            if content is None and not (m["role"] == "assistant" and calls):
                 raise ValueError(f"message {i} ({m['role']}) has no 'content'")
             if m["role"] == "tool":  # a tool's result: text, or any JSON value (rendered as JSON)
                 _check_answers_a_call(messages, i)
+                if isinstance(content, list) and content and all(
+                        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                        for p in content):
+                    m["content"] = "".join(p["text"] for p in content)  # text parts, as the server reads them
             elif isinstance(content, list):
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):

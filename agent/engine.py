@@ -24,8 +24,9 @@ from schemas import Tool
 
 from .formats import ToolFormat, make_format
 from .formats.chat import plain_text_encoder
-from .grounding import (Grounding, conversation_text, grounded_call, last_user_text, run_together_prefixes,
-                        runs_numbers_together, takes_from_conversation, zeros_appended_prefixes)
+from .grounding import (Grounding, asking_named, conversation_text, grounded_call, last_user_text,
+                        run_together_prefixes, runs_numbers_together, takes_from_conversation, without_empty_named,
+                        zeros_appended_prefixes)
 from .parallel_calls import ParallelCallsEnd, with_written_lists
 from .tool_choice import filter_tools
 from .tool_prior import (MIN_PROBABILITY, PriorCache, calibrated_pick, content_free_messages, name_span,
@@ -72,7 +73,10 @@ class EngineConfig:
             (``51``, ``101``, ``500``) taken out of the grammar; where several calls are asked for, a call is
             added per item of a written list of numbers the calls go over and miss, a list every call of a
             tool holds is shared out by where its items are written, and "respectively" pairs two written lists
-            item by item (``agent.parallel_calls.with_written_lists``).
+            item by item (``agent.parallel_calls.with_written_lists``). In a turn that answers a user message, an
+            optional parameter whose name the message writes ("a maximum cost of $50": ``max_cost``) is required
+            in the turn's grammar (``agent.grounding.named_optional``; the tool as registered still judges the
+            call, so a value the conversation does not write is dropped as above, and so is an empty one).
             On by default; False returns the calls as the grammar-constrained decode wrote them.
         grounding_retries: how many times such a turn is decoded again (>= 0; each retry is a whole decode).
         close_at_model_end: where the model asks to end its turn inside a call it is writing (its unmasked argmax
@@ -213,8 +217,9 @@ class Engine(Protocol):
             messages: OpenAI-style messages (assistant ``tool_calls``, ``tool`` results).
             tools: every tool the model may see; ``tool_choice`` selects the callable ones.
             tool_choice: ``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}`` or OpenAI's named form.
-            response_format: JSON Schema of a structured answer, or None for free text; a local engine also takes
-                a :class:`schemas.ResponseFormat`, whose ``strict=False`` relaxes the grammar (validated after).
+            response_format: JSON Schema of a structured answer, or None for free text; or a
+                :class:`schemas.ResponseFormat` (what ``Agent`` passes), whose ``strict=False`` relaxes the grammar
+                (validated after) or, for a remote engine, is sent as ``"strict": false``.
             parallel_tool_calls: ``False``: one call; ``None`` (default): several allowed where the format has a
                 layout for them, the model ends the turn; ``True``: several asked for
                 (``ToolFormat.several_calls_rule``: hermes writes marked blocks and its end is masked). A
@@ -468,6 +473,8 @@ class LocalEngine:
             out.calls = returned_calls(out.calls, allowed, messages, grounding,
                                        several=parallel_tool_calls is True and mode != "none",
                                        max_calls=config.max_parallel_calls)
+            if messages[-1].get("role") == "user":  # the grammar asked for the parameters the request names
+                out.calls = without_empty_named(out.calls, allowed, Grounding(last_user_text(messages)))
         return out
 
     def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,
@@ -609,6 +616,10 @@ class LocalEngine:
             allowed = [t for t in allowed if t.name not in exclude]
         if answer_only:
             allowed, mode = [], "none"
+        if config.grounding and allowed and messages and messages[-1].get("role") == "user":
+            # optional parameters the user's message names are written (agent.grounding.named_optional)
+            request = Grounding(last_user_text(messages))
+            allowed = [asking_named(t, request) for t in allowed]
         strict = getattr(response_format, "strict", True)
         schema = getattr(response_format, "schema", response_format)
         grammar = self.format.turn_grammar(allowed, mode, parallel=parallel_tool_calls, response_format=schema,

@@ -37,11 +37,13 @@ infers correctly from no words at all counts as not written.
 """
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+from constraints import schema_compiles
 from schemas import Tool, ToolCallError
 
 # a number as people and JSON write it: 5, -4, 5,000 (thousands groups only: "1,2,3" is three numbers; a comma
@@ -664,6 +666,108 @@ def grounded_call(call: dict, tools: Iterable[Tool], grounding: Grounding) -> di
         lambda c, tool: names_as_written(c, tool.parameters, grounding),
         lambda c, tool: drop_unwritten_optional(c, tool.parameters, grounding),
         lambda c, tool: fractions_for_percents(c, tool.parameters, grounding, tool.description)))
+
+
+# words of a parameter's name that do not say which parameter it is ("max_results", "is_detailed", "item_id")
+_NAME_STOP_WORDS = frozenset("max min num number type name value data list item items info the and for with from "
+                             "use include has get set flag enable enabled option options param params".split())
+_NAME_PART = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])|\d+")
+
+
+def name_words(name: str) -> list[str]:
+    """The words of a parameter's ``name`` that can say which parameter it is: split at ``_``, ``-``, ``.``,
+    digits and camelCase (``maxCost`` → max, cost), case folded, three or more letters, less generic words (max,
+    min, number, type, name, value, data, list, item, info, include, flag …)."""
+    return [w for w in (m.casefold() for m in _NAME_PART.findall(name))
+            if len(w) >= 3 and w.isalpha() and w not in _NAME_STOP_WORDS]
+
+
+def named_optional(parameters: dict, request: Grounding) -> list[str]:
+    """The optional top-level parameters of ``parameters`` (a tool's JSON Schema) that the user's request names:
+    the parameter's name is written in ``request`` (a :class:`Grounding` of the user's last message) as it stands
+    ("set max_cost to 50"), or every word of it (:func:`name_words`; at least one) is, as a whole word or an
+    inflection of it (:func:`_names_word`: "cost" in "a maximum cost of $50", "returned" for ``return_type``).
+    Parameters whose schema is an object (or names neither a type nor values) are left out: their values are not
+    read against the conversation.
+
+    ``LocalEngine`` makes these required in the turn's grammar (not in the tool: a call is validated, and its
+    optional arguments judged, against the tool as registered), so that the model, which otherwise closes the
+    call without them ("Find a ride from New York to Philadelphia with maximum cost of $50" → no ``max_cost``),
+    writes them; a value it writes that the conversation does not hold is dropped afterwards
+    (:func:`drop_unwritten_optional`), and so is an empty one (:func:`without_empty_named`). The rule reads
+    words, not whom they are about: in a several-call turn a parameter named for one call is required in every
+    call of the tool ("moves a Pikachu can learn, and whether Bulbasaur can learn the move 'Solar Beam'" gives
+    both calls ``move``). Chosen on the dev split
+    (docs/benchmarks.md "Parameters the user names").
+    """
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(props, dict):
+        return []
+    required = set(parameters.get("required") or ())
+    out = []
+    for name, spec in props.items():
+        if name in required or not isinstance(spec, dict):
+            continue
+        types = _json_types(spec) - {"null", None}
+        if "object" in types or not (types or "enum" in spec or "const" in spec):
+            continue
+        words = name_words(name)
+        if name.casefold() in request.words or (words and all(_names_word(w, request) for w in words)):
+            out.append(name)
+    return out
+
+
+_INFLECTIONS = ("s", "es", "ed", "d", "ing", "er", "ers")
+
+
+def _names_word(w: str, request: Grounding) -> bool:
+    """Whether ``request`` writes the word ``w`` of a parameter's name, or an inflection of it ("returned" for
+    "return", "sizes" for "size", "including" for "include"; or ``w`` is one of a written word: "size" for a
+    parameter "sizes"). Stricter than a shared prefix: "count" is not in "country", nor "port" in "Portugal"."""
+    if w in request.words:
+        return True
+    stems = {w, w[:-1]} if w.endswith("e") else {w}
+    return any(u.startswith(stem) and u[len(stem):] in _INFLECTIONS for u in request.words for stem in stems) or \
+        any(w.startswith(u) and w[len(u):] in _INFLECTIONS for u in request.words if len(u) >= 3)
+
+
+def without_empty_optional(call: dict, parameters: dict) -> dict:
+    """``call`` less its optional top-level arguments holding ``""``, ``[]`` or ``{}`` (the same dict where there
+    are none). ``LocalEngine`` applies it to the calls of a tool whose parameters a request names
+    (:func:`asking_named`): the grammar then makes the model write on past optional parameters it would have left
+    out, and an empty value written there ("No need for a note." → ``"note": ""``) says nothing the tool's default
+    does not."""
+    args = call.get("arguments")
+    if not isinstance(args, dict) or not isinstance(parameters, dict):
+        return call
+    required = set(parameters.get("required") or ())
+    kept = {k: v for k, v in args.items() if k in required or not (isinstance(v, (str, list, dict)) and not v)}
+    return call if len(kept) == len(args) else {**call, "arguments": kept}
+
+
+def without_empty_named(calls: list[dict], tools: Iterable[Tool], request: Grounding) -> list[dict]:
+    """``calls`` with :func:`without_empty_optional` applied to each call of a tool among ``tools`` (as registered)
+    whose parameters ``request`` names (:func:`asking_named`), kept where the call still validates."""
+    named = [t for t in tools if asking_named(t, request) is not t]
+    if not named:
+        return calls
+    return [_with_rules(c, named, (lambda c2, tool: without_empty_optional(c2, tool.parameters),)) for c in calls]
+
+
+def asking_named(tool: Tool, request: Grounding) -> Tool:
+    """``tool`` with the optional parameters the request names (:func:`named_optional`) required, for the grammar
+    of a turn; ``tool`` itself where it names none, or where its schema cannot hold them all (``maxProperties``,
+    an ``enum`` with no value: the grammar engine's compile check, cached). The copy is for the grammar only (not
+    validated again: calls are validated against the tool as registered)."""
+    named = named_optional(tool.parameters, request)
+    if not named:
+        return tool
+    parameters = {**tool.parameters, "required": list(tool.parameters.get("required") or ()) + named}
+    if not schema_compiles(parameters, not tool.strict):
+        return tool
+    out = copy.copy(tool)
+    out.parameters = parameters
+    return out
 
 
 def without_unwritten_optional(call: dict, tools: Iterable[Tool], grounding: Grounding) -> dict:

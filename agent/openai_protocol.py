@@ -242,6 +242,8 @@ def _messages(messages: Any) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+        if answerable and m["role"] != "tool":
+            _unanswered(answerable, f"messages[{i}]")
         msg = {"role": "system" if m["role"] == "developer" else m["role"],
                "content": _text(m.get("content"), f"messages[{i}].content")}
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -266,7 +268,16 @@ def _messages(messages: Any) -> list[dict]:
         else:
             answerable = set()
         out.append(msg)
+    if answerable:
+        _unanswered(answerable, "messages")
     return out
+
+
+def _unanswered(ids: set, where: str) -> None:
+    """Raise the 400 OpenAI gives where an assistant message's calls are not all answered before the message
+    ``where`` names (or the end of the list: ``"messages"``)."""
+    raise RequestError(where, "an assistant message with 'tool_calls' must be followed by tool messages responding "
+                       "to each 'tool_call_id'; not answered: " + ", ".join(sorted(map(repr, ids))))
 
 
 def _history_call(tc: Any, where: str) -> dict:

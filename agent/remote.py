@@ -80,9 +80,10 @@ class OpenAIEngine:
             body["tool_choice"] = _wire_tool_choice(tool_choice)
             if tool_choice != "none" and parallel_tool_calls is not None:
                 body["parallel_tool_calls"] = parallel_tool_calls
-        if response_format is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "response", "schema": response_format, "strict": True}}
+        if response_format is not None:  # a JSON Schema, or a schemas.ResponseFormat (strict or not)
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "response", "schema": getattr(response_format, "schema", response_format),
+                "strict": getattr(response_format, "strict", True)}}
         extra = dict(self.extra_body)
         if self.send_engine_config:
             extra.update(drafter=config.drafter, num_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive,

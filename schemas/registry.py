@@ -115,16 +115,31 @@ def _has_local_ref(node: Any) -> bool:
     return False
 
 
-def _rewrite_refs(node: Any, base: str) -> Any:
+# keywords whose value maps names (property names, definition names) to subschemas: a key there is a name, never a
+# keyword ("default", "enum" are parameter names as often as keywords)
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# keywords whose value is an instance, not a schema: nothing inside is a reference
+_INSTANCE_VALUES = ("const", "enum", "default", "examples")
+
+
+def _rewrite_refs(node: Any, base: str, *, names: bool = False) -> Any:
+    """``node`` (a schema; with ``names``, a map of names to schemas) with every local ``$ref`` re-rooted under
+    ``base`` (``#/x`` → ``base/x``), instance values (``const``, ``enum``, ``default``, ``examples``) left as they
+    are, and so is a subschema with its own ``$id``: a resource of its own, against which its ``#…`` references
+    resolve wherever it stands."""
     if isinstance(node, dict):
+        if not names and "$id" in node:
+            return node
+        if names:
+            return {k: _rewrite_refs(v, base) for k, v in node.items()}
         out = {}
         for k, v in node.items():
             if k == "$ref" and isinstance(v, str) and v.startswith("#"):
                 out[k] = base + v[1:] if v.startswith("#/") or v == "#" else v
-            elif k in ("const", "enum", "default", "examples"):
+            elif k in _INSTANCE_VALUES:
                 out[k] = v
             else:
-                out[k] = _rewrite_refs(v, base)
+                out[k] = _rewrite_refs(v, base, names=k in _NAMED_SUBSCHEMAS)
         return out
     if isinstance(node, list):
         return [_rewrite_refs(v, base) for v in node]

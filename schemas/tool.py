@@ -123,9 +123,12 @@ class Tool:
         return _awaited(self.fn(**value))
 
     def to_openai(self) -> dict:
-        """OpenAI tool dict ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        """OpenAI tool dict ``{"type": "function", "function": {"name", "description", "parameters"}}``, with
+        ``"strict": false`` for a lenient tool (as OpenAI's API and this project's server read it)."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if not self.strict:
+            function["strict"] = False
+        return {"type": "function", "function": function}
 
     # -- constructors -------------------------------------------------------------------------------------------
     @classmethod
@@ -203,14 +206,15 @@ class Tool:
 
     @classmethod
     def from_openai(cls, spec: dict, *, fn: Callable[..., Any] | None = None, strict: bool = True) -> "Tool":
-        """Build a tool from ``{"type": "function", "function": {...}}`` or the bare ``{"name", "parameters"}``."""
+        """Build a tool from ``{"type": "function", "function": {...}}`` or the bare ``{"name", "parameters"}``;
+        the dict's ``"strict": false`` makes it lenient as ``strict=False`` does."""
         if spec.get("type") == "function" and isinstance(spec.get("function"), dict):
             spec = spec["function"]
         if "name" not in spec:
             raise ToolError(f"OpenAI-style tool dict needs a 'name' (got keys {sorted(spec)})")
         params = spec.get("parameters", {"type": "object", "properties": {}})
         return cls.from_schema(spec["name"], params, description=spec.get("description", ""), fn=fn,
-                               strict=strict)
+                               strict=strict and spec.get("strict") is not False)
 
 
 class ResponseFormat:

@@ -79,6 +79,40 @@ def test_a_tool_message_must_answer_a_call_as_the_server_requires(agent, turns, 
         agent.run([{"role": "user", "content": "hi"}, CALLED, {"role": "tool", "content": "3"}])
 
 
+@pytest.mark.parametrize("calls", ["get_weather", ["get_weather"], [{"function": "get_weather"}]])
+def test_malformed_tool_calls_in_the_history_are_a_value_error_naming_the_message(agent, turns, calls):
+    with pytest.raises(ValueError, match=re.escape("message 1: 'tool_calls' must be a list of calls")):
+        agent.run([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}])
+    assert not turns
+
+
+def test_developer_messages_are_system_and_tool_text_parts_their_text(agent, monkeypatch):
+    """As the server reads them: a ``developer`` message is the system prompt (a chat template renders no
+    "developer" role: the instruction was lost), a tool result's text parts are its text (not their JSON)."""
+    seen = []
+    monkeypatch.setattr(agent.engine, "turn", lambda messages, *a, **k: seen.append(messages) or (_ for _ in ()).throw(
+        RuntimeError("stop here")))
+    with pytest.raises(RuntimeError):
+        agent.run([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}, CALLED,
+                   {"role": "tool", "tool_call_id": "x", "content": [{"type": "text", "text": "rainy, 12C"}]}])
+    assert seen[0][0] == {"role": "system", "content": "Answer in French."}
+    assert seen[0][3]["content"] == "rainy, 12C"
+
+
+def test_a_lenient_response_format_reaches_the_engine_as_lenient(agent, monkeypatch):
+    """``"strict": false`` relaxes the grammar through the Python API as over HTTP: the engine gets the
+    ``ResponseFormat`` (its ``strict``), not only its schema (which it compiled strictly: every run failed)."""
+    seen = []
+    monkeypatch.setattr(agent.engine, "turn", lambda messages, tools, choice, rf, *a, **k: seen.append(rf) or (
+        _ for _ in ()).throw(RuntimeError("stop here")))
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}, "required": ["xs"]}
+    with pytest.raises(RuntimeError):
+        agent.run("xs = 1, 2", tool_choice="none", response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "strict": False, "schema": schema}})
+    assert seen[0].strict is False and seen[0].schema == schema
+
+
 def test_run_batch_refuses_max_workers_below_one(agent, turns):
     with pytest.raises(ValueError, match="max_workers must be an integer >= 1, got 0"):
         agent.run_batch(["hi"], max_workers=0)

@@ -232,7 +232,7 @@ def test_a_call_complete_exactly_at_the_budget_is_returned_not_cut(hermes_gen, d
 
     engine = LocalEngine(hermes_gen)
     assert engine.format.name == "hermes"
-    messages = [{"role": "user", "content": "Weather in Oslo for 3 days?"}]
+    messages = [{"role": "user", "content": "Weather in Oslo, please?"}]
     grammar = engine.format.turn_grammar([WEATHER], "required")
     full = hermes_gen.generate(engine.format.render(messages, [WEATHER]), grammar, max_new_tokens=120,
                                drafter="none")

@@ -894,3 +894,83 @@ def test_agent_stream_calls_an_engine_without_on_discard_as_before(smol_dir, mon
     events = list(Agent(OldEngine(), tools=[RIDES]).stream(RIDE_ASK[0]["content"], tool_choice="required",
                                                            max_steps=1))
     assert [(e.type, e.text) for e in events if e.type in ("token", "discard")] == [("token", "one")]
+
+
+def test_an_optional_parameter_the_request_names_is_named_only_by_every_word_of_its_name():
+    from agent.grounding import name_words, named_optional
+
+    assert name_words("max_cost") == ["cost"] and name_words("maxResults") == ["results"]
+    assert name_words("item_id") == [] and name_words("HTTPServer2Port") == ["http", "server", "port"]
+    params = {"type": "object", "required": ["source"], "properties": {
+        "source": {"type": "string"}, "max_cost": {"type": "number"}, "mode": {"type": "string"},
+        "sizes": {"enum": ["S", "XL"]}, "return_date": {"type": ["string", "null"]},
+        "preferences": {"type": "object"}, "item_id": {"type": "string"}, "untyped": {}}}
+    ask = Grounding("A ride from the source, maximum cost of $50, size XL, return by bus, with preferences, "
+                    "item id 4, untyped")
+    # "mode" is not written; "return_date" misses "date"; an object, a name of generic words, a schema naming no
+    # type or values, and a required parameter are never named
+    assert named_optional(params, ask) == ["max_cost", "sizes"]
+    assert named_optional(params, Grounding("A ride with no limit")) == []
+
+
+def test_the_grammar_requires_an_optional_parameter_the_users_message_names(smol_dir):
+    """'for 3 days' names ``days``: the turn's grammar refuses the call without it (the model otherwise closes the
+    call first) but the tool as registered is unchanged; not with grounding off, nor after tool results."""
+    fmt, gen = scripted(smol_dir, "hermes", "", None)
+    engine = LocalEngine(gen)
+    ask = [{"role": "user", "content": "The weather in Oslo in celsius for the next 3 days?"}]
+    without = gen.tokenizer.encode(call_text("hermes", [("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+                                   add_special_tokens=False)
+    with_days = gen.tokenizer.encode(call_text("hermes", [("get_weather", {"city": "Oslo", "unit": "celsius",
+                                                                          "days": 3})]), add_special_tokens=False)
+
+    def grammar(messages, **config):
+        _, g, allowed, _ = engine._prepare(messages, [WEATHER, TIME], "required", None, None, EngineConfig(**config))
+        return g, allowed
+
+    g, allowed = grammar(ask)
+    assert gen.new_state(g).valid_prefix_len(with_days) == len(with_days)
+    assert gen.new_state(g).valid_prefix_len(without) < len(without)
+    assert allowed[0].parameters["required"] == ["city", "unit", "days"]
+    assert WEATHER.parameters["required"] == ["city", "unit"] and allowed[1] is TIME
+    after_results = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    for g, _ in (grammar(ask, grounding=False), grammar(after_results)):
+        state = gen.new_state(g)
+        assert state.valid_prefix_len(without) == len(without)
+
+
+def test_a_name_is_written_as_it_stands_or_word_by_word_with_inflections_not_as_a_prefix():
+    from agent.grounding import named_optional
+
+    params = {"type": "object", "properties": {k: {"type": "string"} for k in (
+        "count", "port", "timeout", "language", "max_cost", "maxResults", "return_type", "include_comments")}}
+    for text in ("the country", "our Portugal office", "what time is it", "the Lang family"):
+        assert named_optional(params, Grounding(text)) == [], text
+    assert named_optional(params, Grounding("set max_cost to 50 and maxResults=5")) == ["max_cost", "maxResults"]
+    assert named_optional(params, Grounding("returned as text, including comments")) == ["return_type",
+                                                                                         "include_comments"]
+
+
+def test_named_parameters_a_schema_cannot_hold_leave_the_tool_as_registered_and_empty_values_are_dropped():
+    """``maxProperties: 2`` cannot hold three keys: the tool is not changed (it raised ``SchemaError`` on every turn
+    naming them); an empty value the grammar made the model write in a named tool's call is dropped."""
+    from agent.grounding import asking_named, without_empty_named
+
+    tight = Tool("search_items", "Search items.", {"type": "object", "properties": {
+        "query": {"type": "string"}, "limit": {"type": "integer"}, "offset": {"type": "integer"}},
+        "required": ["query"], "maxProperties": 2}, strict=False)
+    ask = Grounding("what's the limit and offset of my card?")
+    assert asking_named(tight, ask) is tight
+    note = Tool.from_schema("note", {"type": "object", "properties": {
+        "text": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}, "pinned": {"type": "boolean"}},
+        "required": ["text"]})
+    named = asking_named(note, Grounding("a note without tags"))
+    assert named is not note and named.parameters["required"] == ["text", "tags"]
+    assert note.parameters["required"] == ["text"]
+    calls = [{"name": "note", "arguments": {"text": "", "tags": [], "pinned": False}},
+             {"name": "search_items", "arguments": {"query": "x", "limit": 0}}]
+    out = without_empty_named(calls, [note, tight], Grounding("a note without tags"))
+    # the required text stays even empty; a tool whose parameters the request does not name is left as decoded
+    assert out == [{"name": "note", "arguments": {"text": "", "pinned": False}}, calls[1]]

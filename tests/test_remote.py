@@ -86,3 +86,21 @@ def test_streaming_over_the_server_yields_the_same_run(local, url):
 def test_a_server_that_ignores_tool_choice_is_caught(choice, calls, match):
     with pytest.raises(ToolCallError, match=match):
         _check_tool_choice(choice, calls)
+
+
+def test_a_lenient_tool_and_response_format_go_over_the_wire_as_strict_false():
+    """The remote engine sends ``"strict": false`` for a lenient tool and a lenient ``ResponseFormat`` (it sent
+    ``true`` and the tools without it: this project's own server refused both)."""
+    from schemas import ResponseFormat, Tool
+
+    params = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}}
+    engine = OpenAIEngine("http://127.0.0.1:9/v1", "m")
+    body, _ = engine.request([{"role": "user", "content": "x"}], [Tool.from_schema("f", params, strict=False)],
+                             "auto", ResponseFormat(params, strict=False))
+    assert body["tools"][0]["function"]["strict"] is False
+    assert body["response_format"]["json_schema"]["strict"] is False
+    assert body["response_format"]["json_schema"]["schema"] == params
+    body, _ = engine.request([{"role": "user", "content": "x"}], [], "auto", {"type": "object"})
+    assert body["response_format"]["json_schema"] == {"name": "response", "schema": {"type": "object"},
+                                                      "strict": True}

@@ -313,3 +313,57 @@ def test_an_annotated_field_description_is_kept_where_the_docstring_gives_none()
     props = Tool.from_function(f).parameters["properties"]
     assert props["n"] == {"description": "zero or more", "minimum": 0, "type": "integer"}
     assert props["k"]["description"] == "from the docstring."
+
+
+@pytest.mark.parametrize("case", ["parameter named like a keyword", "nested $id", "'#' in a nested $id"])
+def test_call_grammar_keeps_refs_under_parameters_named_like_keywords_and_inside_nested_ids(smol_tokenizer, case):
+    """A tool's schema moves under ``$defs`` in the call grammar (compact JSON), its local ``$ref`` re-rooted: not inside a
+    property named ``default``/``enum``/``const``/``examples`` (a pydantic type there is a ``$ref``: every run
+    failed to compile), and not inside a subschema with its own ``$id`` (its ``#…`` resolves against it)."""
+    from constraints import ConstraintState, json_schema_grammar, llg_tokenizer
+
+    if case == "parameter named like a keyword":
+        params = {"type": "object", "$defs": {"Addr": {"type": "object", "properties": {"city": {"enum": ["Oslo"]}},
+                                                      "required": ["city"]}},
+                  "properties": {"default": {"$ref": "#/$defs/Addr"}, "enum": {"$ref": "#/$defs/Addr"}},
+                  "required": ["default", "enum"]}
+        good, bad = '{"default":{"city":"Oslo"},"enum":{"city":"Oslo"}}', '{"default":{"city":"Rome"},"enum":{"city":"Oslo"}}'
+    elif case == "nested $id":
+        params = {"$id": "https://example.com/root.json", "type": "object", "$defs": {"inner": {
+            "$id": "inner.json", "type": "object", "properties": {"v": {"$ref": "#/$defs/num"}}, "required": ["v"],
+            "$defs": {"num": {"type": "integer", "maximum": 5}}}}, "properties": {"i": {"$ref": "inner.json"}},
+            "required": ["i"]}
+        good, bad = '{"i":{"v":3}}', '{"i":{"v":7}}'
+    else:
+        params = {"type": "object", "$defs": {"node": {"$id": "https://example.com/node.json", "type": "object",
+                  "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+                  "required": ["v", "next"]}}, "properties": {"n": {"$ref": "https://example.com/node.json"}},
+                  "required": ["n"]}
+        good, bad = '{"n":{"v":1,"next":{"v":2,"next":null}}}', '{"n":{"v":1,"next":{"v":2}}}'
+    other = Tool.from_schema("other", {"type": "object", "properties": {"q": {"type": "string"}}})
+    llt = llg_tokenizer(smol_tokenizer, 49152, smol_tokenizer.eos_token_id)
+    grammar = json_schema_grammar(call_schema([other, Tool.from_schema("t", params)]))
+
+    def accepted(arguments: str) -> bool:
+        st = ConstraintState(llt, grammar)
+        ids = smol_tokenizer.encode('{"name":"t","arguments":' + arguments + "}", add_special_tokens=False)
+        if st.valid_prefix_len(ids) != len(ids):
+            return False
+        st.consume_many(ids)
+        return st.is_accepting()
+
+    assert accepted(good) and not accepted(bad)
+
+
+def test_an_openai_dicts_strict_false_makes_a_lenient_tool_and_a_lenient_tool_says_so():
+    """A dict with ``"strict": false`` (as OpenAI and the server read it) registers a keyword the grammar cannot
+    enforce, relaxed; ``to_openai`` writes it back, so a remote engine sends it (the server refused the tool)."""
+    params = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}}
+    spec = {"type": "function", "function": {"name": "f", "parameters": params, "strict": False}}
+    tool = Tool.from_openai(spec)
+    assert tool.strict is False and tool.to_openai()["function"]["strict"] is False
+    assert Tool.from_openai(tool.to_openai()).strict is False
+    with pytest.raises(SchemaError, match="uniqueItems"):
+        Tool.from_openai({"type": "function", "function": {"name": "f", "parameters": params}})
+    assert "strict" not in Tool.from_schema("g", {"type": "object"}).to_openai()["function"]

@@ -226,6 +226,10 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "argu
     (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL]},
                                               {"role": "tool", "tool_call_id": "call_2", "content": "1"}]), 400,
      "messages[2].role", "'call_2'"),
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL]}] + user("y")), 400,
+     "messages[2]", "not answered: 'call_1'"),  # as OpenAI: every call answered before the conversation goes on
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL]}]), 400, "messages",
+     "must be followed by tool messages"),
     (dict(messages=user("x" * 300_000)), 413, None, "exceeds 200000 bytes"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
