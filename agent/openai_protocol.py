@@ -251,6 +251,12 @@ def _messages(messages: Any) -> list[dict]:
                 raise RequestError(f"messages[{i}].tool_calls", "must be a list of calls")
             msg["tool_calls"] = [_history_call(tc, f"messages[{i}].tool_calls[{j}]")
                                  for j, tc in enumerate(m["tool_calls"])]
+            seen_ids: set = set()
+            for j, tc in enumerate(msg["tool_calls"]):
+                if tc["id"] in seen_ids:
+                    raise RequestError(f"messages[{i}].tool_calls[{j}].id", f"{tc['id']!r} is the id of an earlier "
+                                       f"call of this message: each call needs its own id")
+                seen_ids.add(tc["id"])
         elif msg["content"] is None:
             raise RequestError(f"messages[{i}].content", "is required")
         if m["role"] == "tool":

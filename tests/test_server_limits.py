@@ -230,6 +230,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "argu
      "messages[2]", "not answered: 'call_1'"),  # as OpenAI: every call answered before the conversation goes on
     (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL]}]), 400, "messages",
      "must be followed by tool messages"),
+    (dict(tools=TOOLS, messages=user("x") + [{"role": "assistant", "tool_calls": [CALL, CALL]}]), 400,
+     "messages[1].tool_calls[1].id", "each call needs its own id"),
     (dict(messages=user("x" * 300_000)), 413, None, "exceeds 200000 bytes"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
