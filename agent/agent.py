@@ -470,18 +470,16 @@ class Agent:
                                  f"'function': {{'name', 'arguments'}}}} on an assistant message")
             if content is None and not (m["role"] == "assistant" and calls):
                 raise ValueError(f"message {i} ({m['role']}) has no 'content'")
+            text = _text_parts(content)  # a list of text parts: their text, as the server reads them
             if m["role"] == "tool":  # a tool's result: text, or any JSON value (rendered as JSON)
                 _check_answers_a_call(messages, i)
-                if isinstance(content, list) and content and all(
-                        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                        for p in content):
-                    m["content"] = "".join(p["text"] for p in content)  # text parts, as the server reads them
+                if text is not None and content:
+                    m["content"] = text
             elif isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
+                if text is None:
                     raise ValueError(f"message {i}: only text content parts ({{'type': 'text', 'text': ...}}) are "
                                      f"supported")
-                m["content"] = "".join(p["text"] for p in content)  # as the server reads them
+                m["content"] = text
             elif content is not None and not isinstance(content, str):
                 raise ValueError(f"message {i}: 'content' must be a string or a list of text parts, got "
                                  f"{type(content).__name__}")
@@ -496,6 +494,15 @@ class Agent:
 
 class _StreamClosed(Exception):
     """Raised in a stream's decode thread at its next step once the consumer stopped iterating."""
+
+
+def _text_parts(content: Any) -> str | None:
+    """The text of ``content`` where it is a list of OpenAI text parts (``{"type": "text", "text": ...}``), joined;
+    None where it is anything else."""
+    if not isinstance(content, list) or not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return None
+    return "".join(p["text"] for p in content)
 
 
 def _check_answers_a_call(messages: list[dict], i: int) -> None:

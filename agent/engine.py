@@ -473,8 +473,9 @@ class LocalEngine:
             out.calls = returned_calls(out.calls, allowed, messages, grounding,
                                        several=parallel_tool_calls is True and mode != "none",
                                        max_calls=config.max_parallel_calls)
-            if messages[-1].get("role") == "user":  # the grammar asked for the parameters the request names
-                out.calls = without_empty_named(out.calls, allowed, Grounding(last_user_text(messages)))
+            request = _named_request(messages, config)
+            if request is not None:  # the grammar asked for the parameters the request names
+                out.calls = without_empty_named(out.calls, allowed, request)
         return out
 
     def _prior_pick(self, messages: list[dict], tools: list[Tool], parallel_tool_calls: bool | None,
@@ -616,9 +617,8 @@ class LocalEngine:
             allowed = [t for t in allowed if t.name not in exclude]
         if answer_only:
             allowed, mode = [], "none"
-        if config.grounding and allowed and messages and messages[-1].get("role") == "user":
-            # optional parameters the user's message names are written (agent.grounding.named_optional)
-            request = Grounding(last_user_text(messages))
+        request = _named_request(messages, config)
+        if request is not None:  # optional parameters the user's message names are written (named_optional)
             allowed = [asking_named(t, request) for t in allowed]
         strict = getattr(response_format, "strict", True)
         schema = getattr(response_format, "schema", response_format)
@@ -671,6 +671,15 @@ class LocalEngine:
 
 
 FENCE = "```"  # opens a Markdown code block
+
+
+def _named_request(messages: list[dict], config: EngineConfig) -> Grounding | None:
+    """The user's message whose named optional parameters a turn's grammar requires
+    (``agent.grounding.asking_named``), read by ``_prepare`` and again by ``_turn`` for the empty values it drops;
+    None unless grounding is on and the turn answers a user message."""
+    if config.grounding and messages and messages[-1].get("role") == "user":
+        return Grounding(last_user_text(messages))
+    return None
 
 
 def returned_calls(calls: list[dict], tools: list[Tool], messages: list[dict], grounding: Grounding, *,
