@@ -24,7 +24,7 @@ from schemas import Tool
 
 from .formats import ToolFormat, make_format
 from .formats.chat import plain_text_encoder
-from .grounding import (Grounding, asking_named, conversation_text, grounded_call, last_user_text,
+from .grounding import (Grounding, asking_named, conversation_text, grounded_call, last_user_text, named_tools,
                         run_together_prefixes, runs_numbers_together, takes_from_conversation, without_empty_named,
                         zeros_appended_prefixes)
 from .parallel_calls import ParallelCallsEnd, with_written_lists
@@ -532,8 +532,11 @@ class LocalEngine:
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
         masked = parallel_tool_calls is True and self.format.counts_calls
+        request = _named_request(messages, config) if masked else None
         end_rule = ParallelCallsEnd(self.format, config.max_parallel_calls,
-                                    context=conversation_text(messages) if masked else None) if parallel else None
+                                    context=conversation_text(messages) if masked else None,
+                                    named=frozenset(named_tools(allowed, request)) if request is not None
+                                    else frozenset()) if parallel else None
         # the model asks to end inside a call it is writing: stop there where the call closes into a valid one
         closings: list[str] = []  # the closing found where end_when stopped the decode (its last answer)
 

@@ -720,6 +720,33 @@ def named_optional(parameters: dict, request: Grounding) -> list[str]:
 _INFLECTIONS = ("s", "es", "ed", "d", "ing", "er", "ers")
 
 
+# verbs and generic nouns a tool's name uses for what it does, not for what it is about
+_TOOL_VERBS = frozenset("get find calculate calc compute search fetch retrieve buy check lookup query show create "
+                        "make add update delete run execute estimate determine convert book display details "
+                        "calculator".split())
+
+
+def named_tools(tools: Iterable[Tool], request: Grounding) -> list[str]:
+    """The names of the ``tools`` that the user's request names, in the tools' order: every word
+    (:func:`name_words`) of the last dotted part of the tool's name, less verbs such as get, find, calculate or
+    display (``museum.get_waiting_time`` → waiting, time; ``statistics.mode`` → mode), or of the whole name where
+    no other word is left (``painting.display`` → painting, display), is written in ``request`` (a
+    :class:`Grounding` of the user's last message), as a whole word or an inflection of it (:func:`_names_word`).
+
+    ``agent.parallel_calls.ParallelCallsEnd`` lets a call of such a tool that no earlier call of the turn used go
+    on with values already used ("the median and variance of 3,4,5,2,8,5, and the mode" → ``statistics.mode``
+    with the same data), where any other call that brings no new value ends the turn. Chosen on the dev split
+    (docs/benchmarks.md "Tools the user names").
+    """
+    out = []
+    for tool in tools:
+        words = [w for w in name_words(tool.name.rsplit(".", 1)[-1]) if w not in _TOOL_VERBS] or \
+            name_words(tool.name)
+        if words and all(_names_word(w, request) for w in words):
+            out.append(tool.name)
+    return out
+
+
 def _names_word(w: str, request: Grounding) -> bool:
     """Whether ``request`` writes the word ``w`` of a parameter's name, or an inflection of it ("returned" for
     "return", "sizes" for "size", "including" for "include"; or ``w`` is one of a written word: "size" for a

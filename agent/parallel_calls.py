@@ -13,7 +13,9 @@ ends the turn there, from the calls alone:
   no earlier call has must be written in the conversation (``agent.grounding.Grounding``); the first call that
   does not ends the turn and is dropped; a call still being written ends it as soon as one of its finished
   values is such a value (the whole call would end it too), so a runaway invented value (a list of made-up names
-  until the budget) cannot cut the turn;
+  until the budget) cannot cut the turn; the turn's first call of a tool the user's request names
+  (``named``: ``agent.grounding.named_tools``) is the exception, since it is asked for even with values already
+  used ("the median and variance of 3,4,5,2,8,5, and the mode");
 * **cap**: the turn holds ``max_calls`` calls.
 
 After the decode, :func:`with_written_list_items` completes a turn where several calls were asked for over a list
@@ -96,13 +98,17 @@ class ParallelCallsEnd:
             call bringing nothing new from it ends the turn; None: only the repeat and the cap end it (the model
             ends it otherwise).
         free_calls: the first calls kept whatever values they hold (the several-call layout asks for two).
+        named: the tools the user's request names (``agent.grounding.named_tools``): the first call of one of them
+            goes on with values already used (it is asked for), where another call bringing nothing new ends the
+            turn.
     Attributes:
         text: the turn's text to keep once the rule fired (the calls before the one that ended it, or the first
             ``max_calls``, closed as the format needs); None while it has not.
     """
 
-    def __init__(self, fmt: ToolFormat, max_calls: int, *, context: str | None = None, free_calls: int = 2):
-        self.fmt, self.max_calls, self.free_calls = fmt, max_calls, free_calls
+    def __init__(self, fmt: ToolFormat, max_calls: int, *, context: str | None = None, free_calls: int = 2,
+                 named: frozenset[str] = frozenset()):
+        self.fmt, self.max_calls, self.free_calls, self.named = fmt, max_calls, free_calls, named
         self.grounding = Grounding(context) if context is not None else None
         self.text: str | None = None
         self._ends: list[bool] = []  # per whole call so far: does it end the turn (memoised: checked every step)
@@ -110,7 +116,16 @@ class ParallelCallsEnd:
 
     def _ends_turn(self, calls: list[dict], i: int) -> bool:
         return calls[i] in calls[:i] or (self.grounding is not None and i >= self.free_calls
-                                         and not brings_new_values(calls[i], calls[:i], self.grounding))
+                                         and not brings_new_values(calls[i], calls[:i], self.grounding)
+                                         and not self._first_of_named(calls, i))
+
+    def _first_of_named(self, calls: list[dict], i: int) -> bool:
+        """Whether ``calls[i]`` is the turn's first call of a tool the request names (``named``), holding no value
+        the conversation does not write."""
+        name = calls[i].get("name")
+        return (name in self.named and all(c.get("name") != name for c in calls[:i])
+                and all(v in self.grounding for v in leaf_values(calls[i].get("arguments"))
+                        if _value_key(v) not in _value_keys(calls[:i])))
 
     def __call__(self, text: str) -> bool:
         found = self.fmt.complete_calls(text)

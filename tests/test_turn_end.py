@@ -408,6 +408,51 @@ def test_several_calls_asked_for_end_at_the_first_call_past_the_second_with_noth
     assert free.stop_reason == "eos" and [c["arguments"]["city"] for c in free.calls] == ["Oslo", "Rome", "Paris"]
 
 
+MEDIAN, MODE = (Tool.from_openai({"type": "function", "function": {
+    "name": f"statistics.{n}", "description": f"The {n} of numbers.",
+    "parameters": {"type": "object", "properties": {"data": {"type": "array", "items": {"type": "integer"}}},
+                   "required": ["data"], "additionalProperties": False}}}) for n in ("median", "mode"))
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_the_first_call_of_a_tool_the_user_names_goes_on_with_values_already_used(smol_dir, drafter):
+    """dev ``parallel_multiple_20``: "the median and variance of 3,4,5,2,8,5, and the mode": the third call
+    (``statistics.mode``, the same data) brings no new value, which ends the turn for any other tool; the user
+    names this one, so it is kept. A second call of it, or a tool the request does not name, still ends it."""
+    data = {"data": [3, 4, 5, 2, 8, 5]}
+    script = [("statistics.median", data), ("statistics.median", {"data": [3, 4, 5]}), ("statistics.mode", data),
+              ("statistics.mode", {"data": [3, 4]})]
+    fmt, gen = scripted(smol_dir, "hermes", call_text("hermes", script), "<|endoftext|>")
+    engine, config = LocalEngine(gen), EngineConfig(drafter=drafter, max_new_tokens=300)
+
+    def names(question: str, **changes) -> list[str]:
+        turn = engine.turn([{"role": "user", "content": question}], [MEDIAN, MODE], "required",
+                           parallel_tool_calls=True, config=dataclasses.replace(config, **changes))
+        assert turn.stop_reason == "stop" and fmt.parse(turn.text)[0] == turn.calls
+        return [c["name"] for c in turn.calls]
+
+    assert names("The median of 3,4,5,2,8,5 and its mode.") == ["statistics.median", "statistics.median",
+                                                                "statistics.mode"]
+    assert names("The median of 3,4,5,2,8,5, and then the most common one.") == ["statistics.median"] * 2
+    assert names("The median of 3,4,5,2,8,5 and its mode.", grounding=False) == ["statistics.median"] * 2
+
+
+def test_tools_a_request_names():
+    from agent.grounding import Grounding, named_tools
+
+    tools = [Tool.from_schema(n, {"type": "object", "properties": {}}) for n in (
+        "museum.get_waiting_time", "museum.get_hours", "painting.display", "statistics.mode", "us_history.gdp",
+        "concert_ticket.buy", "train_ticket.buy", "calculate", "scienceFacts.getDiameter")]
+    request = Grounding("Buy a train ticket, get the waiting times and GDP, display the painting; the diameters? "
+                        "And the hour.")
+    assert named_tools(tools, request) == ["museum.get_waiting_time", "museum.get_hours", "painting.display",
+                                           "us_history.gdp", "train_ticket.buy",
+                                           "scienceFacts.getDiameter"]  # "hour" names get_hours
+    assert named_tools(tools, Grounding("Calculate it.")) == ["calculate"]  # only a verb: the whole name's words
+    assert named_tools(tools, Grounding("a mode of transport")) == ["statistics.mode"]  # words, not meaning
+    assert named_tools(tools, Grounding("nothing here")) == []
+
+
 PLAY = Tool.from_openai({"type": "function", "function": {
     "name": "play", "description": "Play rounds of the game of life from a board.",
     "parameters": {"type": "object", "properties": {
