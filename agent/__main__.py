@@ -44,7 +44,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=drafter_choices(),
                    help="auto (default): the drafter the model's MTP head card names (where the backend runs the "
                         "head), else lookup; " + "; ".join(f"{n}: {row.summary}" for n, row in DRAFTERS.items()))
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="γ, drafter tokens per window")
+    p.add_argument("--num-draft-tokens", type=_at_least(1), default=DEFAULT_NUM_DRAFT_TOKENS,
+                   help="γ, drafter tokens per window")
     p.add_argument("--adaptive", action="store_true", help="adapt γ online from the acceptance rate")
     p.add_argument("--window", default=None, choices=WINDOWS,
                    help="speculative windows: cost (default: a token is drafted only where its verify row pays, by "
@@ -241,13 +242,12 @@ def cmd_bfcl(args) -> int:
         args.max_items = MAX_ITEMS
     elif args.max_items == "none":  # lists uncapped
         args.max_items = None
+    runtimes = args.runtime.split(",")
+    if any(r not in RUNTIMES for r in runtimes):
+        raise UserError(f"--runtime {args.runtime!r}: choose from {', '.join(RUNTIMES)} (several joined by commas)")
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?
-
-    runtimes = args.runtime.split(",")
-    if any(r not in RUNTIMES for r in runtimes):
-        raise SystemExit(f"--runtime {args.runtime!r}: choose from {', '.join(RUNTIMES)} (several joined by commas)")
 
     def factory(tools):
         return Agent(engine, tools, config=config, strict=False)
@@ -265,7 +265,7 @@ def cmd_bfcl(args) -> int:
                                           split=args.split, out=lambda s: print(s, flush=True), runtime=runtime))
             except (ToolFormatError, FileNotFoundError) as e:
                 if len(categories) == 1 and len(runtimes) == 1:
-                    raise SystemExit(f"bfcl {category}: {e}") from None
+                    raise UserError(f"bfcl {category}: {e}") from None
                 summaries.append({"category": category, "split": args.split, "runtime": runtime,
                                   "error": str(e).split(";")[0]})
     if len(categories) > 1 or len(runtimes) > 1:
@@ -292,8 +292,12 @@ def _check_bind(host: str, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
+    from .openai_protocol import MAX_NUM_DRAFT_TOKENS
     from .server import serve
 
+    if args.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:  # what every request would then be refused for
+        raise UserError(f"--num-draft-tokens must be at most {MAX_NUM_DRAFT_TOKENS} (the server's cap per request), "
+                        f"got {args.num_draft_tokens}")
     _check_bind(args.host, args.port)
     serve(args.model, host=args.host, port=args.port, config=_config(args), max_waiting=args.max_waiting,
           concurrency=args.concurrency, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
@@ -325,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a BFCL category, several joined by commas, or 'all' (prints a per-category table)")
     p.add_argument("--split", default="dev", choices=("dev", "test"),
                    help="dev = first half of each file (tune here only); test = second half (only measured)")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=_at_least(1), default=None, help="the first N questions of each category")
     p.add_argument("--data-dir", default=None, help="folder with *BFCL_v4_<category>* JSON-lines files")
     p.add_argument("--max-string-length", type=int, default=None,  # None: bench.bfcl.MAX_STRING_LENGTH
                    help="grammar cap on unbounded argument strings (chars); keeps every call within the budget")

@@ -379,14 +379,20 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 def usage(turn: DecodedTurn, config: EngineConfig) -> dict:
-    """OpenAI ``usage`` (``prompt_tokens_details.cached_tokens``: prompt tokens found in the KV cache) plus
-    ``speculative``: the drafter used (``auto`` resolved), target forwards, tokens per forward, drafted/accepted/forced
-    tokens."""
+    """OpenAI ``usage`` as OpenAI and vLLM count it: ``prompt_tokens`` the prompt's length, ``completion_tokens`` the
+    tokens of the decode whose output is returned (``prompt_tokens_details.cached_tokens``: prompt tokens found in
+    the KV cache, at most the prompt), plus ``speculative``: the drafter used (``auto`` resolved), target forwards,
+    tokens per forward, drafted/accepted/forced tokens, and the work behind the turn where the engine decoded it
+    more than once (a call that took nothing from the conversation, an answer that only restated a call:
+    ``LocalEngine.turn``): ``prefilled_tokens`` and ``decoded_tokens`` over every decode (the forwards and drafts
+    count every decode too)."""
     s = turn.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
-            "total_tokens": s.prompt_tokens + s.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.prompt_tokens_cached},
+    prompt = len(turn.prompt) if turn.prompt else s.prompt_tokens  # a remote engine's turn: what its server said
+    completion = len(turn.tokens) if turn.tokens else s.new_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(s.prompt_tokens_cached, prompt)},
             "speculative": {"drafter": turn.drafter or config.drafter, "num_draft_tokens": config.num_draft_tokens,
+                            "prefilled_tokens": s.prompt_tokens, "decoded_tokens": s.new_tokens,
                             "target_forwards": s.target_forwards, "tokens_per_forward": s.tokens_per_forward,
                             "drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
                             "acceptance_rate": s.acceptance_rate, "forced_tokens": s.forced}}

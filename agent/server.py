@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over a local engine: ``python -m agent serve --model M --host H --port P``.
 
-Endpoints: ``POST /v1/chat/completions`` (also ``stream: true``, server-sent events), ``GET /v1/models``,
+Endpoints: ``POST /v1/chat/completions`` (also ``stream: true``, server-sent events), ``GET /v1/models`` (and
+``GET /v1/models/{id}``: the served model or ``"default"``, else 404),
 ``GET /metrics`` (Prometheus text format), ``GET /health`` (never needs the key). One model in memory; requests
 are decoded ``concurrency`` at a time (default 1) and up to ``max_waiting`` more wait in line; beyond that the server
 answers 429 with ``Retry-After``. A request is counted from its admission, streamed or not, until its decode ends.
@@ -351,6 +352,15 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
         if (no := denied(request)) is not None:
             return no
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specagent"}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):  # the OpenAI client's models.retrieve
+        if (no := denied(request)) is not None:
+            return no
+        if model_id not in names:
+            return error(RequestError("model", f"the model {model_id!r} does not exist here; served: "
+                                      f"{', '.join(names)}", status=404, code="model_not_found"))
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "specagent"}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

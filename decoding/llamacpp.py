@@ -54,7 +54,7 @@ cached), and the speculative step drafts a token only where its row pays (``deco
 """
 from __future__ import annotations
 
-import logging
+import ctypes
 import os
 import sys
 import threading
@@ -89,10 +89,28 @@ def _llama_cpp():
     except ImportError as e:
         raise LlamaCppUnavailableError(f"the llama.cpp backend needs llama-cpp-python ({e}); install it with: "
                                        f"{INSTALL}") from None
-    log = logging.getLogger("llama-cpp-python")  # llama.cpp's own log lines go through this logger
-    if log.level == logging.NOTSET:  # left unset, it prints everything; llama.cpp logs its load chatter (the
-        log.setLevel(logging.ERROR)   # GGUF's metadata, the graph) partly at WARN: errors only, as verbose=False does
+    global _log_callback
+    if _log_callback is None:  # llama.cpp's own log lines: warnings and errors, less the benign load note
+        _log_callback = llama_cpp.llama_log_callback(_log_line)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     return llama_cpp
+
+
+_log_callback = None  # the ctypes callback given to llama_log_set (kept: llama.cpp holds only its address)
+_last_log_level = [0]
+
+
+def _log_line(level: int, text: bytes, user_data) -> None:
+    """llama.cpp's log callback (``ggml_log_level``: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous
+    line): warnings and errors to stderr, as llama-cpp-python's ``verbose=False`` means to (its own table predates
+    ggml's renumbering, so it printed warnings and hid errors), less the note that a GGUF's token looks like a
+    control token but is typed otherwise, which llama.cpp then retypes itself (``load: control-looking token:
+    128247 '</s>' was not control-type …``: Qwen2.5-Coder's GGUFs, every load; nothing a user can act on)."""
+    level = _last_log_level[0] if level == 5 else level
+    _last_log_level[0] = level
+    line = text.decode("utf-8", errors="replace")
+    if level >= 3 and "control-looking token" not in line:
+        print(line, end="", flush=True, file=sys.stderr)
 
 
 # Weight types a known model can be re-quantised to by llama.cpp's own quantizer (``alias:q8_0``): at one thread

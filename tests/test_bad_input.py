@@ -138,6 +138,14 @@ def test_cli_bad_tool_choice_fails_before_the_model_loads(capsys):
     assert "nope" in err and "no-such-model" not in err
 
 
+def test_bfcl_and_serve_refusals_are_one_error_line_before_the_model_loads(capsys):
+    """``bfcl --runtime bad`` and a missing ``--data-dir`` exited 1 without the ``error:`` line (a SystemExit
+    message); a server whose γ is past the per-request cap started and refused every request."""
+    assert "choose from" in _one_line_error(capsys, ["bfcl", "--model", "no-such-model", "--runtime", "bad"])
+    err = _one_line_error(capsys, ["serve", "--model", "no-such-model", "--num-draft-tokens", "100"])
+    assert "at most 32" in err and "no-such-model" not in err
+
+
 def test_cli_user_errors_are_one_line(capsys):
     assert "nope" in _one_line_error(capsys, ["run", "--tools", "nope:TOOLS", "hi"])
     assert "NOPE" in _one_line_error(capsys, ["run", "--tools", "examples.my_tools:NOPE", "hi"])
@@ -147,7 +155,9 @@ def test_cli_user_errors_are_one_line(capsys):
 
 @pytest.mark.parametrize("flag, value, text", [("--max-items", "0", "count of items >= 1"),
                                                ("--max-items", "many", "count of items or 'none'"),
-                                               ("--max-decimals", "-1", "count of decimals >= 0")])
+                                               ("--max-decimals", "-1", "count of decimals >= 0"),
+                                               ("--limit", "0", ">= 1"), ("--limit", "-1", ">= 1"),
+                                               ("--num-draft-tokens", "0", ">= 1")])
 def test_cli_bad_grammar_bounds_fail_before_the_model_loads(capsys, flag, value, text):
     with pytest.raises(SystemExit) as e:
         main(["bfcl", "--model", "no-such-model", flag, value])

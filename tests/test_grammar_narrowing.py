@@ -142,6 +142,23 @@ def test_grammar_bounds_still_bound_unbounded_values(llt, smol_tokenizer):
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"s": "a", "n": 1.255}))
 
 
+def test_grammar_bounds_bound_a_structured_answer_too(llt, smol_tokenizer):
+    """A ``response_format`` answer after a tool result wrote ``"temperature": 18.0000000000000250000…`` until the
+    budget, ``max_decimals=6`` or not: the bounds applied to call arguments only."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "temperature": {"type": "number"},
+                                               "tags": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["city", "temperature"]}
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", {"type": "object", "properties": {}})), "auto",
+                           response_format=schema, max_string_length=5, max_decimals=2, max_items=2)
+    assert accepts(llt, smol_tokenizer, grammar, json.dumps({"city": "Paris", "temperature": 18.25, "tags": [1, 2]}))
+    for bad in ({"city": "Paris", "temperature": 18.255}, {"city": "Parisx", "temperature": 1},
+                {"city": "Paris", "temperature": 1, "tags": [1, 2, 3]}):
+        assert not accepts(llt, smol_tokenizer, grammar, json.dumps(bad)), bad
+    free = turn_grammar(tools_of(Tool.from_schema("f", {"type": "object", "properties": {}})), "auto",
+                        response_format=schema)
+    assert accepts(llt, smol_tokenizer, free, json.dumps({"city": "Parisx", "temperature": 18.255}))
+
+
 # -- 2. calendar dates -------------------------------------------------------------------------------------------
 def book_room(room: str, start: datetime.datetime, day: datetime.date) -> str:
     """Book a room.

@@ -596,3 +596,15 @@ def test_bench_windows_runs_fixed_and_cost_side_by_side_with_identical_outputs(t
     assert all(r["identical_to_none"] == 1.0 for r in report["drafters"].values())  # windows change speed only
     assert report["drafters"]["lookup/cost"]["cost_vs_fixed"] > 0 and report["row_cost"]["rows"][0] == 1
     assert "| lookup | cost |" in capsys.readouterr().out
+
+
+def test_llama_cpp_log_lines_warnings_and_errors_less_the_benign_load_note(capsys):
+    """llama-cpp-python's level table predates ggml's renumbering (it printed warnings, hid errors): every load of
+    the default model printed "control-looking token … was not control-type"; errors were never shown."""
+    from decoding.llamacpp import _log_line
+
+    for level, text in ((4, b"error: no room\n"), (5, b"  continued\n"), (2, b"info chatter\n"), (1, b"debug\n"),
+                        (3, b"load: control-looking token: 128247 '</s>' was not control-type\n"),
+                        (3, b"a warning\n"), (5, b"and its tail\n")):
+        _log_line(level, text, None)
+    assert capsys.readouterr().err == "error: no room\n  continued\na warning\nand its tail\n"

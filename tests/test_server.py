@@ -170,9 +170,12 @@ def test_our_knobs_are_accepted_and_greedy_output_is_the_same_for_every_drafter(
     ref = client.chat.completions.create(**kwargs, extra_body={"drafter": "none", "num_draft_tokens": 0})
     assert ref.usage.model_extra["speculative"]["drafter"] == "none"
     # one token per forward, plus one forward whose token is the end-of-generation token (not output) where the
-    # model ends the turn itself rather than the grammar
+    # model ends the turn itself rather than the grammar; the turn is decoded twice here (its first call took
+    # nothing from the conversation): the forwards count both decodes, completion_tokens the one returned
     spec = ref.usage.model_extra["speculative"]
-    assert spec["target_forwards"] - ref.usage.completion_tokens in (0, 1)
+    assert spec["target_forwards"] - spec["decoded_tokens"] in (0, 1, 2)
+    assert 0 < ref.usage.completion_tokens < spec["decoded_tokens"]
+    assert ref.usage.prompt_tokens < spec["prefilled_tokens"]
     assert [c.function.arguments for c in ref.choices[0].message.tool_calls] == \
         [c.function.arguments for c in base.choices[0].message.tool_calls] and base.choices[0].message.tool_calls
 
@@ -299,6 +302,10 @@ def test_a_stop_sequence_ends_the_decode_there(client):
 
 def test_health_and_models_answer(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny" and client.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
     with urllib.request.urlopen(server.removesuffix("/v1") + "/health", timeout=10) as r:
         assert json.load(r)["status"] == "ok"
 
@@ -438,3 +445,21 @@ def test_serve_refuses_to_start_with_a_default_drafter_batching_cannot_run():
     assert out.returncode == 2
     assert "error: the mtp drafter needs the target's hidden states, which continuous batching (--max-batch)" \
         in out.stderr
+
+
+def test_usage_counts_the_returned_decode_as_openai_does():
+    """A turn decoded twice (an answer that only restated a call, decoded again) reported the prompt twice and both
+    decodes' tokens (160 / 37 for an 80-token prompt and a 17-token answer): now the prompt and the returned
+    decode, as OpenAI and vLLM count them; the work of both decodes is under ``speculative``."""
+    from agent.engine import DecodedTurn, EngineConfig
+    from agent.openai_protocol import usage
+    from decoding import DecodeStats
+
+    stats = DecodeStats(prompt_tokens=160, prompt_tokens_cached=150, new_tokens=37, target_forwards=30)
+    u = usage(DecodedTurn("The weather…", None, False, "eos", stats, "lookup", list(range(17)), list(range(80))),
+              EngineConfig())
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (80, 17, 97)
+    assert u["prompt_tokens_details"]["cached_tokens"] == 80
+    assert (u["speculative"]["prefilled_tokens"], u["speculative"]["decoded_tokens"]) == (160, 37)
+    remote = usage(DecodedTurn("hi", None, False, "eos", DecodeStats(prompt_tokens=12, new_tokens=3)), EngineConfig())
+    assert (remote["prompt_tokens"], remote["completion_tokens"]) == (12, 3)  # what a remote server reported

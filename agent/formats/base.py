@@ -84,8 +84,9 @@ class ToolFormat:
             parallel: ``False``: one call; ``None``: several allowed, as the format allows (:meth:`calls_rule`);
                 ``True``: several asked for: the layout the family continues in (:meth:`several_calls_rule`).
             response_format: JSON Schema of the final answer (replaces free text).
-            max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``).
-            max_items: grammar-only cap on the items of unbounded arrays (see ``bound_arrays``).
+            max_string_length, max_decimals: grammar-only bounds on unbounded scalars (see ``bound_scalars``), in
+                call arguments and in a ``response_format`` answer alike.
+            max_items: grammar-only cap on the items of unbounded arrays (see ``bound_arrays``), likewise.
             excluded_integer_prefixes: digit strings no non-negative integer argument may start with (see
                 ``schemas.narrow.integers_without_prefixes``; the engine passes
                 ``agent.grounding.run_together_prefixes`` of the conversation).
@@ -124,7 +125,9 @@ class ToolFormat:
         if tool_choice != "required" or not tools:
             if response_format is not None:
                 # closed like tool arguments (the model cannot add undeclared keys); validated against the original
-                answer = narrow_for_grammar(response_format, lenient=lenient_answer, compiles=schema_compiles)
+                answer = narrow_for_grammar(response_format, lenient=lenient_answer, compiles=schema_compiles,
+                                            max_string_length=max_string_length, max_decimals=max_decimals,
+                                            max_items=max_items)
                 rules.append(f"answer: {lark_json(answer, separators=SEPARATORS, lenient=lenient_answer)}")
             else:
                 no_call = bool(start) if answer_opens_no_call is None else answer_opens_no_call
