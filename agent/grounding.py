@@ -726,23 +726,44 @@ _TOOL_VERBS = frozenset("get find calculate calc compute search fetch retrieve b
                         "calculator".split())
 
 
-def named_tools(tools: Iterable[Tool], request: Grounding) -> list[str]:
+# a clause holding one of these (or a word ending in n't) says what the user does not want or need
+_NEGATIONS = frozenset("no not never except neither nor already skip dont cannot".split())
+_CLAUSE_END = re.compile(r"[.;:!?,()]|\b(?:but|however|though|although)\b", re.IGNORECASE)
+
+
+def affirmed_text(text: str) -> str:
+    """``text`` less its clauses (split at punctuation and at but / however / though) that hold a negation: no,
+    not, a word ending in n't, never, except, neither, nor, already, skip ("I don't need a hotel", "No need for
+    the mode.", "the mode I already know"); "without" is left out: it qualifies a thing asked for ("a Caesar salad
+    without anchovies") more often than it declines one."""
+    kept = []
+    for clause in _CLAUSE_END.split(text):
+        words = {w.casefold() for w in _WORD.findall(clause.replace("\u2019", "'"))}
+        if not (words & _NEGATIONS or re.search(r"n't\b", clause.replace("\u2019", "'"), re.IGNORECASE)):
+            kept.append(clause)
+    return " . ".join(kept)
+
+
+def named_tools(tools: Iterable[Tool], request: Grounding, *, declined: bool = False) -> list[str]:
     """The names of the ``tools`` that the user's request names, in the tools' order: every word
     (:func:`name_words`) of the last dotted part of the tool's name, less verbs such as get, find, calculate or
     display (``museum.get_waiting_time`` → waiting, time; ``statistics.mode`` → mode), or of the whole name where
     no other word is left (``painting.display`` → painting, display), is written in ``request`` (a
-    :class:`Grounding` of the user's last message), as a whole word or an inflection of it (:func:`_names_word`).
+    :class:`Grounding` of the user's last message), as a whole word or an inflection of it (:func:`_names_word`),
+    in a clause that holds no negation (:func:`affirmed_text`: "I don't need a hotel" names no ``book_hotel``).
+    The rule reads words, not meaning: "a quiet mode" names ``set_mode``. ``declined=True`` reads the negated
+    clauses too (the rule as first chosen: ``scripts/named_tools_questions.py`` compares the two).
 
     ``agent.parallel_calls.ParallelCallsEnd`` lets a call of such a tool that no earlier call of the turn used go
     on with values already used ("the median and variance of 3,4,5,2,8,5, and the mode" → ``statistics.mode``
     with the same data), where any other call that brings no new value ends the turn. Chosen on the dev split
     (docs/benchmarks.md "Tools the user names").
     """
-    out = []
+    out, affirmed = [], request if declined else Grounding(affirmed_text(request.written))
     for tool in tools:
         words = [w for w in name_words(tool.name.rsplit(".", 1)[-1]) if w not in _TOOL_VERBS] or \
             name_words(tool.name)
-        if words and all(_names_word(w, request) for w in words):
+        if words and all(_names_word(w, affirmed) for w in words):
             out.append(tool.name)
     return out
 

@@ -193,12 +193,14 @@ def _check_tool_choice(choice: Any, calls: list[dict] | None) -> None:
 
 
 def _stats(usage: Any, seconds: float) -> DecodeStats:
-    """Decode statistics from a response's ``usage`` (this project's server adds ``speculative``)."""
+    """Decode statistics from a response's ``usage`` (this project's server adds ``speculative``, whose
+    ``prefilled_tokens`` / ``decoded_tokens`` count every decode of the turn, as a local engine's statistics do)."""
     if usage is None:
         return DecodeStats(seconds=seconds)
     spec = (getattr(usage, "model_extra", None) or {}).get("speculative") or {}
     details = getattr(usage, "prompt_tokens_details", None)  # OpenAI's cached prompt tokens (vLLM, this server)
-    return DecodeStats(prompt_tokens=usage.prompt_tokens or 0, new_tokens=usage.completion_tokens or 0,
+    return DecodeStats(prompt_tokens=spec.get("prefilled_tokens", usage.prompt_tokens or 0),
+                       new_tokens=spec.get("decoded_tokens", usage.completion_tokens or 0),
                        prompt_tokens_cached=getattr(details, "cached_tokens", None) or 0,
                        target_forwards=spec.get("target_forwards", 0), drafted=spec.get("drafted_tokens", 0),
                        accepted=spec.get("accepted_tokens", 0), forced=spec.get("forced_tokens", 0),

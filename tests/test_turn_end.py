@@ -434,6 +434,7 @@ def test_the_first_call_of_a_tool_the_user_names_goes_on_with_values_already_use
     assert names("The median of 3,4,5,2,8,5 and its mode.") == ["statistics.median", "statistics.median",
                                                                 "statistics.mode"]
     assert names("The median of 3,4,5,2,8,5, and then the most common one.") == ["statistics.median"] * 2
+    assert names("The median of 3,4,5,2,8,5. No need for the mode.") == ["statistics.median"] * 2  # declined
     assert names("The median of 3,4,5,2,8,5 and its mode.", grounding=False) == ["statistics.median"] * 2
 
 
@@ -451,6 +452,12 @@ def test_tools_a_request_names():
     assert named_tools(tools, Grounding("Calculate it.")) == ["calculate"]  # only a verb: the whole name's words
     assert named_tools(tools, Grounding("a mode of transport")) == ["statistics.mode"]  # words, not meaning
     assert named_tools(tools, Grounding("nothing here")) == []
+    # a tool named in a clause that declines it is not named (a helper: "I don't need a hotel" booked one)
+    hotel = [Tool.from_schema(n, {"type": "object", "properties": {}}) for n in ("book_hotel", "rent_car")]
+    assert named_tools(hotel, Grounding("Rent a car in Boston. I don\u2019t need a hotel.")) == ["rent_car"]
+    assert named_tools(hotel, Grounding("No hotel, but rent a car")) == ["rent_car"]
+    assert named_tools(tools, Grounding("The mode I already know; skip the GDP")) == []
+    assert named_tools(hotel, Grounding("A hotel without a pool, and rent a car")) == ["book_hotel", "rent_car"]
 
 
 PLAY = Tool.from_openai({"type": "function", "function": {
