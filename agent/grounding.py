@@ -727,7 +727,7 @@ _TOOL_VERBS = frozenset("get find calculate calc compute search fetch retrieve b
 
 
 # a clause holding one of these (or a word ending in n't) says what the user does not want or need
-_NEGATIONS = frozenset("no not never except neither nor already skip dont cannot".split())
+_NEGATED = re.compile(r"\b(?:no|not|never|except|neither|nor|already|skip|dont|cannot)\b|n't\b", re.IGNORECASE)
 _CLAUSE_END = re.compile(r"[.;:!?,()]|\b(?:but|however|though|although)\b", re.IGNORECASE)
 
 
@@ -736,12 +736,7 @@ def affirmed_text(text: str) -> str:
     not, a word ending in n't, never, except, neither, nor, already, skip ("I don't need a hotel", "No need for
     the mode.", "the mode I already know"); "without" is left out: it qualifies a thing asked for ("a Caesar salad
     without anchovies") more often than it declines one."""
-    kept = []
-    for clause in _CLAUSE_END.split(text):
-        words = {w.casefold() for w in _WORD.findall(clause.replace("\u2019", "'"))}
-        if not (words & _NEGATIONS or re.search(r"n't\b", clause.replace("\u2019", "'"), re.IGNORECASE)):
-            kept.append(clause)
-    return " . ".join(kept)
+    return " . ".join(c for c in _CLAUSE_END.split(text.replace("\u2019", "'")) if not _NEGATED.search(c))
 
 
 def named_tools(tools: Iterable[Tool], request: Grounding, *, declined: bool = False) -> list[str]:

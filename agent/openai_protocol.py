@@ -101,8 +101,7 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     if not isinstance(model, str) or not model:
         raise RequestError("model", "is required: the name of a served model, one of " + ", ".join(model_names))
     if model not in model_names:
-        raise RequestError("model", f"the model {model!r} does not exist here; served: {', '.join(model_names)}",
-                           status=404, code="model_not_found")
+        raise model_not_found(model, model_names)
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise RequestError("n", "only n=1 is supported")
     registry = _tools(body.get("tools"))
@@ -277,6 +276,17 @@ def _messages(messages: Any) -> list[dict]:
     if answerable:
         _unanswered(answerable, "messages")
     return out
+
+
+def model_not_found(model: str, served: tuple[str, ...] | list[str]) -> RequestError:
+    """The 404 ``model_not_found`` for a ``model`` this server does not serve (``served``: the names it answers)."""
+    return RequestError("model", f"the model {model!r} does not exist here; served: {', '.join(served)}",
+                        status=404, code="model_not_found")
+
+
+def model_object(model: str) -> dict:
+    """OpenAI's ``model`` object for a served model id (``GET /v1/models`` and ``/v1/models/{id}``)."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "specagent"}
 
 
 def _unanswered(ids: set, where: str) -> None:

@@ -71,14 +71,19 @@ def finished_values(partial: str) -> Iterator[Any]:
                 return
 
 
+def new_values(call: dict, earlier: list[dict]) -> list[Any]:
+    """The scalar argument values of ``call`` that no call of ``earlier`` has (by :func:`_value_key`)."""
+    seen = _value_keys(earlier)
+    return [v for v in leaf_values(call.get("arguments")) if _value_key(v) not in seen]
+
+
 def brings_new_values(call: dict, earlier: list[dict], grounding: Grounding) -> bool:
     """Whether ``call`` holds a value no call of ``earlier`` has that is not a boolean or null, and every value no
     earlier call has is in ``grounding``. The tool's name does not count: a call of another tool with values
     already used is what the models add unasked (dev split: counting a new tool as new took Qwen2.5-Coder-0.5B's
     parallel_multiple from 19 to 16 of 30, the 1.5B's from 11 to 8 of 12); so a call without arguments past the
     second ends the turn."""
-    seen = _value_keys(earlier)
-    new = [v for v in leaf_values(call.get("arguments")) if _value_key(v) not in seen]
+    new = new_values(call, earlier)
     return any(v is not None and not isinstance(v, bool) for v in new) and all(v in grounding for v in new)
 
 
@@ -124,8 +129,7 @@ class ParallelCallsEnd:
         the conversation does not write."""
         name = calls[i].get("name")
         return (name in self.named and all(c.get("name") != name for c in calls[:i])
-                and all(v in self.grounding for v in leaf_values(calls[i].get("arguments"))
-                        if _value_key(v) not in _value_keys(calls[:i])))
+                and all(v in self.grounding for v in new_values(calls[i], calls[:i])))
 
     def __call__(self, text: str) -> bool:
         found = self.fmt.complete_calls(text)

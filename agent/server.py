@@ -60,8 +60,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from constraints import GrammarEngineError
 
 from .engine import DecodedTurn, EngineConfig, LocalEngine
-from .openai_protocol import (ChatRequest, RequestError, TextStream, chunk, completion, make_choice, new_id,
-                              parse_chat_request, tool_call_deltas, usage)
+from .openai_protocol import (ChatRequest, RequestError, TextStream, chunk, completion, make_choice, model_not_found,
+                              model_object, new_id, parse_chat_request, tool_call_deltas, usage)
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING = 64
@@ -351,16 +351,13 @@ def create_app(engine: LocalEngine, *, model_name: str | None = None, config: En
     async def models(request: Request):
         if (no := denied(request)) is not None:
             return no
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specagent"}]}
+        return {"object": "list", "data": [model_object(name)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str):  # the OpenAI client's models.retrieve
         if (no := denied(request)) is not None:
             return no
-        if model_id not in names:
-            return error(RequestError("model", f"the model {model_id!r} does not exist here; served: "
-                                      f"{', '.join(names)}", status=404, code="model_not_found"))
-        return {"id": model_id, "object": "model", "created": 0, "owned_by": "specagent"}
+        return error(model_not_found(model_id, names)) if model_id not in names else model_object(model_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
