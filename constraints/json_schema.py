@@ -17,7 +17,7 @@ from typing import Any
 import llguidance
 
 from schemas.check import find_keyword, walk
-from schemas.narrow import bound_integers, calendar_dates, narrowable_nodes
+from schemas.narrow import bound_integers, bounded_fractions, calendar_dates, narrowable_nodes
 from schemas.errors import SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
@@ -327,7 +327,8 @@ def compile_json_schema(schema: Any, *, lenient: bool = False, tool: str | None 
     Strict: unimplemented keywords (``not``, ``if``, ``uniqueItems``…) and integer bounds past 2^53 are errors
     naming their pointers. Lenient: they are ignored by the grammar, bounds kept inside (the caller must validate
     outputs).
-    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`).
+    ``format: date`` / ``date-time`` admit only real calendar dates (:func:`schemas.narrow.calendar_dates`);
+    ``time`` / ``date-time`` at most nanoseconds (:func:`schemas.narrow.bounded_fractions`).
     """
     options = LENIENT_COMPILE_OPTIONS if lenient else JSON_COMPILE_OPTIONS
     if not lenient:
@@ -403,10 +404,12 @@ def integral_counts(schema: Any) -> Any:
 
 def engine_schema(schema: Any) -> Any:
     """The schema as llguidance is given it (JSON schemas and ``%json`` fragments alike): counts as integers
-    (:func:`integral_counts`), real calendar dates (:func:`schemas.narrow.calendar_dates`), string lengths it can
-    write (:func:`capped_lengths`), exact integer bounds (:func:`exact_bounds`) and bounds past 64 bits as the
-    floats they equal (:func:`wide_bounds_as_floats`)."""
-    return wide_bounds_as_floats(exact_bounds(capped_lengths(calendar_dates(integral_counts(schema)))))
+    (:func:`integral_counts`), real calendar dates (:func:`schemas.narrow.calendar_dates`), times with at most
+    nanoseconds (:func:`schemas.narrow.bounded_fractions`), string lengths it can write (:func:`capped_lengths`),
+    exact integer bounds (:func:`exact_bounds`) and bounds past 64 bits as the floats they equal
+    (:func:`wide_bounds_as_floats`)."""
+    dates = bounded_fractions(calendar_dates(integral_counts(schema)))
+    return wide_bounds_as_floats(exact_bounds(capped_lengths(dates)))
 
 
 def wide_bounds_as_floats(schema: Any) -> Any:

@@ -15,10 +15,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
+import docstring_parser
 import jsonschema
 import pydantic
+from pydantic.fields import FieldInfo
 
 from .check import check_enforceable, check_valid, instance_validator, walk
 from .errors import SchemaError, ToolCallError, ToolError, json_pointer
@@ -118,8 +120,10 @@ class Tool:
         if isinstance(value, pydantic.BaseModel):
             if getattr(self, "_takes_model", False):
                 return _awaited(self.fn(value))
-            kwargs = {f.alias or k: getattr(value, k) for k, f in type(value).model_fields.items()}
-            return _awaited(self.fn(**kwargs))
+            names = getattr(self, "_parameters", {})  # field -> the function's parameter (from_function)
+            kwargs = {names.get(k, f.alias or k): getattr(value, k) for k, f in type(value).model_fields.items()}
+            args = [kwargs.pop(names.get(k, k)) for k in getattr(self, "_positional", ())]
+            return _awaited(self.fn(*args, **kwargs))
         return _awaited(self.fn(**value))
 
     def to_openai(self) -> dict:
@@ -136,7 +140,8 @@ class Tool:
                       strict: bool = True) -> "Tool":
         """Build a tool from a typed function: parameters from the signature, descriptions from the docstring.
 
-        Google-style ``Args:`` sections (``name (type): text`` or ``name: text``) give per-argument descriptions.
+        Per-argument descriptions come from the docstring: Google ``Args:`` (``name (type): text``), reST/Sphinx
+        ``:param name: text`` or NumPy ``Parameters`` sections.
 
         Raises:
             ToolError: a parameter without annotation, ``*args`` / ``**kwargs``, or annotations pydantic cannot
@@ -154,6 +159,8 @@ class Tool:
         except (TypeError, ValueError) as e:
             raise ToolError(f"tool {tool_name!r}: cannot read the signature of {fn!r}: {e}") from None
         fields: dict[str, Any] = {}
+        positional: list[str] = []  # the fields of positional-only parameters (``def f(a, /)``), in order
+        parameters: dict[str, str] = {}  # field -> parameter name (a field may be renamed, its alias another name)
         bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()  # fixed by the partial
         for pname, p in sig.parameters.items():
             if pname in bound:
@@ -174,15 +181,27 @@ class Tool:
                 # a name pydantic keeps for itself (model_config, model_dump, _x, schema): a field of another
                 # name with the parameter's as its alias (the schema, validation and invoke() use the alias)
                 field, extra = f"arg_{len(fields)}_", {**extra, "alias": pname}
-            fields[field] = (hints[pname], pydantic.Field(default, **extra))
+            parameters[field] = pname
+            if p.kind == p.POSITIONAL_ONLY:
+                positional.append(field)
+            if isinstance(default, FieldInfo):
+                # `n: int = Field(5, ge=1)`: the default and constraints of that Field, as pydantic's validate_call
+                # reads it (a docstring's description comes first, as for an Annotated Field)
+                own = (pydantic.Field(default_factory=default.default_factory, **extra) if default.default_factory
+                       else pydantic.Field(... if default.is_required() else default.default, **extra))
+                fields[field] = (Annotated[hints[pname], default], own)
+            else:
+                fields[field] = (hints[pname], pydantic.Field(default, **extra))
         try:
             model = pydantic.create_model(_model_name(tool_name), **fields)
             schema = _clean_pydantic_schema(model.model_json_schema())
         except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError, TypeError, NameError) as e:
             raise ToolError(f"tool {tool_name!r}: cannot build the model of its arguments from the signature: "
                             f"{str(e).splitlines()[0]} ({_LOCAL_TYPE_ADVICE})") from None
-        return cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,
+        tool = cls(tool_name, description if description is not None else summary, schema, fn=fn, model=model,
                    strict=strict)
+        tool._positional, tool._parameters = positional, parameters
+        return tool
 
     @classmethod
     def from_model(cls, model: type[pydantic.BaseModel], *, name: str | None = None,
@@ -208,7 +227,12 @@ class Tool:
     def from_openai(cls, spec: dict, *, fn: Callable[..., Any] | None = None, strict: bool = True) -> "Tool":
         """Build a tool from ``{"type": "function", "function": {...}}`` or the bare ``{"name", "parameters"}``;
         the dict's ``"strict": false`` makes it lenient as ``strict=False`` does."""
-        if spec.get("type") == "function" and isinstance(spec.get("function"), dict):
+        if spec.get("type", "function") != "function":
+            raise ToolError(f"OpenAI-style tool dict has type {spec['type']!r}: only 'function' tools can be called")
+        if "function" in spec and "name" not in spec:  # the wrapped form {"type": "function", "function": {...}}
+            if not isinstance(spec["function"], dict):
+                raise ToolError(f"OpenAI-style tool dict: 'function' must be an object with 'name' and "
+                                f"'parameters', got {type(spec['function']).__name__}")
             spec = spec["function"]
         if "name" not in spec:
             raise ToolError(f"OpenAI-style tool dict needs a 'name' (got keys {sorted(spec)})")
@@ -306,8 +330,9 @@ def as_tool(obj: Any, *, strict: bool = True) -> Tool:
     if isinstance(obj, type) and issubclass(obj, pydantic.BaseModel):
         return Tool.from_model(obj, strict=strict)
     if isinstance(obj, dict):
-        if "function" in obj or "name" in obj:
-            return Tool.from_openai(obj, strict=strict)
+        kind = obj.get("type")
+        if "function" in obj or "name" in obj or (isinstance(kind, str) and kind not in _JSON_TYPES):
+            return Tool.from_openai(obj, strict=strict)  # an OpenAI tool dict, or one of a type it cannot call
         raise ToolError("a raw JSON Schema needs a tool name: use Tool.from_schema(name, schema) or "
                         "{'name': ..., 'parameters': schema}")
     if callable(obj):
@@ -316,14 +341,41 @@ def as_tool(obj: Any, *, strict: bool = True) -> Tool:
                     f"an OpenAI tool dict or a Tool")
 
 
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}  # a raw schema's "type"
+
+
 # -- helpers ----------------------------------------------------------------------------------------------------
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """``(summary, {argument: description})`` of a docstring in Google (``Args:``), reST/Sphinx (``:param a:``) or
+    NumPy (``Parameters`` / ``----------``) style, detected by ``docstring_parser`` (only parameter sections count:
+    not ``Attributes``); the summary is the text before the sections, whitespace collapsed. A docstring it cannot
+    parse, or where it finds no parameter and the lenient Google reader :func:`_parse_google` does (an ``Args:``
+    line without a colon) or ends the summary sooner (an empty ``Args:``), is read by :func:`_parse_google`."""
+    try:
+        parsed = docstring_parser.parse(doc)
+    except docstring_parser.ParseError:
+        return _parse_google(doc)
+    args = {p.arg_name.strip(): " ".join((p.description or "").split()) for p in parsed.params
+            if p.args and p.args[0] in _PARAM_SECTIONS}
+    summary = " ".join(" ".join(t for t in (parsed.short_description, parsed.long_description) if t).split())
+    if not args:  # the Google reader's where it finds parameters, or a shorter summary (it stopped at a section)
+        google = _parse_google(doc)
+        if google[1] or len(google[0]) < len(summary):
+            return google
+    return summary, args
+
+
+_PARAM_SECTIONS = {"param", "parameter", "arg", "argument", "key", "keyword"}  # docstring_parser's section keys
+
+
 _ARGS_HEADER = re.compile(r"^(Args|Arguments|Parameters|Params):\s*$", re.I)
 _SECTION = re.compile(r"^(Returns?|Raises|Yields|Examples?|Notes?):\s*$", re.I)
 _ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
 
 
-def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """Split a Google-style docstring into (summary, {arg: description})."""
+def _parse_google(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (summary, {arg: description}), leniently (a section line without a
+    colon, an unindented ``Args:`` block): where ``docstring_parser`` gives up."""
     lines = doc.splitlines()
     summary_lines: list[str] = []
     args: dict[str, str] = {}

@@ -191,6 +191,21 @@ def test_json_schema_grammar_date_with_its_own_pattern_is_still_a_calendar_date(
     assert not accepts(llt, smol_tokenizer, g, '"1999-01-01"')
 
 
+
+@pytest.mark.parametrize("fmt,prefix", [("time", ""), ("date-time", "2024-01-01T")])
+@pytest.mark.parametrize("own_pattern", [False, True])
+def test_a_time_fraction_is_at_most_nanoseconds_in_the_grammar(llt, smol_tokenizer, fmt, prefix, own_pattern):
+    """RFC 3339 lets a second's fraction run on; the 0.5B copying "20:00" wrote ``20:00:00.0000000…`` until the
+    budget cut the call. The grammar takes nine digits at most (with the node's own pattern too)."""
+    from constraints import json_schema_grammar
+
+    schema = {"type": "string", "format": fmt, **({"pattern": "^[0-9]"} if own_pattern else {})}
+    g = json_schema_grammar(schema)
+    assert accepts(llt, smol_tokenizer, g, f'"{prefix}20:00:00Z"')
+    assert accepts(llt, smol_tokenizer, g, f'"{prefix}20:00:00.123456789+01:00"')
+    assert not accepts(llt, smol_tokenizer, g, f'"{prefix}20:00:00.1234567890Z"')
+    assert not accepts(llt, smol_tokenizer, g, f'"{prefix}20:00:00"')  # the format still wants its zone
+
 # every format docs/schema-support.md says is enforced: validation rejects what the format forbids
 @pytest.mark.parametrize("fmt,bad,good", [
     ("date", "2023-02-29", "2024-02-29"), ("date-time", "2023-02-29T10:00:00Z", "2024-02-29T10:00:00Z"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Literal, Optional
 
 import jsonschema
@@ -367,3 +368,108 @@ def test_an_openai_dicts_strict_false_makes_a_lenient_tool_and_a_lenient_tool_sa
     with pytest.raises(SchemaError, match="uniqueItems"):
         Tool.from_openai({"type": "function", "function": {"name": "f", "parameters": params}})
     assert "strict" not in Tool.from_schema("g", {"type": "object"}).to_openai()["function"]
+
+
+def test_a_field_as_a_parameter_default_gives_its_default_and_constraints():
+    """``n: int = Field(5, ge=1, le=10)`` (pydantic's validate_call form): the schema holds the bounds and the
+    description, validation applies them, and a call leaving ``n`` out runs with 5 — the tool got the FieldInfo
+    object itself, and the bounds were lost."""
+    def count(n: int = pydantic.Field(5, ge=1, le=10, description="1 to 10"),
+              tags: list[str] = pydantic.Field(default_factory=list), r: int = pydantic.Field(ge=0),
+              model_config: int = pydantic.Field(3, description="a name pydantic keeps")) -> tuple:
+        """Count.
+
+        Args:
+            r: from the docstring.
+        """
+        return n, tags, r, model_config
+
+    tool = Tool.from_function(count)
+    props = tool.parameters["properties"]
+    assert props["n"] == {"default": 5, "description": "1 to 10", "maximum": 10, "minimum": 1, "type": "integer"}
+    assert props["r"] == {"description": "from the docstring.", "minimum": 0, "type": "integer"}
+    assert tool.parameters["required"] == ["r"] and props["model_config"]["default"] == 3
+    assert tool.invoke(tool.make_call({"r": 1})) == (5, [], 1, 3)
+    assert tool.invoke(tool.make_call({"r": 1, "model_config": 4})) == (5, [], 1, 4)
+    with pytest.raises(ToolCallError, match="/n"):
+        tool.make_call({"n": 50, "r": 1})
+
+
+def test_positional_only_parameters_are_passed_by_position():
+    def f(a: int, schema: int, /, b: int, *, c: int = 2) -> tuple:
+        return a, schema, b, c
+
+    tool = Tool.from_function(f)
+    assert tool.parameters["required"] == ["a", "schema", "b"]
+    assert tool.invoke(tool.make_call({"a": 1, "schema": 7, "b": 5})) == (1, 7, 5, 2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"type": "retrieval", "function": {"name": "t"}}, "type 'retrieval': only 'function' tools"),
+    ({"type": "function", "function": "t"}, "'function' must be an object"),
+    ({"type": "function", "function": {"description": "x"}}, "needs a 'name'"),
+    ({"type": "code_interpreter"}, "type 'code_interpreter'"), ({"name": "f", "type": "web_search"}, "web_search"),
+])
+def test_openai_tool_dict_errors_name_what_is_wrong(spec, message):
+    """Both first dicts were refused as needing a 'name', which each has."""
+    from schemas import as_tool
+
+    with pytest.raises(ToolError, match=re.escape(message)):
+        as_tool(spec)
+
+
+@pytest.mark.parametrize("doc", [
+    "Add two numbers.\n\nArgs:\n    a: the first\n    b (int): the second,\n        on two lines\n\nReturns:\n    the sum\n",
+    "Add two numbers.\n\n:param a: the first\n:param int b: the second,\n    on two lines\n:returns: the sum\n",
+    "Add two numbers.\n\nParameters\n----------\na : int\n    the first\nb : int\n    the second,\n    on two lines\n"
+    "\nReturns\n-------\nint\n    the sum\n",
+])
+def test_parameter_descriptions_come_from_google_sphinx_and_numpy_docstrings(doc):
+    """Sphinx and NumPy docstrings lost their parameter descriptions, and their ``:param`` lines went into the
+    tool's description."""
+    def add(a: int, b: int) -> int:
+        return a + b
+    add.__doc__ = doc
+
+    tool = Tool.from_function(add)
+    assert tool.description == "Add two numbers."
+    assert {k: v.get("description") for k, v in tool.parameters["properties"].items()} == {
+        "a": "the first", "b": "the second, on two lines"}
+
+
+def test_a_field_alias_names_the_argument_and_the_function_gets_its_parameter():
+    """``n: int = Field(1, alias="count")`` (or Annotated): the schema and validation use ``count``; the tool ran
+    as ``fn(count=…)`` and raised TypeError."""
+    def f(n: int = pydantic.Field(1, alias="count"), m: Annotated[int, pydantic.Field(alias="size")] = 2) -> tuple:
+        return n, m
+
+    tool = Tool.from_function(f)
+    assert set(tool.parameters["properties"]) == {"count", "size"}
+    assert tool.invoke(tool.make_call({"count": 5, "size": 7})) == (5, 7)
+
+
+@pytest.mark.parametrize("doc", [
+    "Add.\n\nArgs:\n    a: the first\n    b: the second\n    this line has no colon\n",
+    "Add.\n\nArgs:\n    a: the first\n    b: the second\n\nRaises:\n    when bad\n",
+])
+def test_a_docstring_the_library_cannot_parse_is_read_as_google_style(doc):
+    def add(a: int, b: int) -> int:
+        return a + b
+    add.__doc__ = doc
+
+    tool = Tool.from_function(add)
+    assert tool.description == "Add." and tool.parameters["properties"]["a"]["description"] == "the first"
+
+
+def test_attributes_are_not_parameters():
+    def f(a: int) -> int:
+        """F.
+
+        Args:
+            a: the a
+
+        Attributes:
+            a: not this
+        """
+        return a
+    assert Tool.from_function(f).parameters["properties"]["a"]["description"] == "the a"
