@@ -6,10 +6,11 @@ import importlib
 import json
 import sys
 import time
+import traceback
 
 from decoding import (BACKENDS, DEFAULT_BACKEND, DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DRAFTERS, KNOWN_MODELS,
                       WINDOWS, drafter_choices)
-from schemas import SpecAgentError
+from schemas import SpecAgentError, Tool
 
 
 class UserError(SpecAgentError):
@@ -117,6 +118,10 @@ def _print_run(prompt: str, res) -> None:
         print("  (tool call cut at --max-new-tokens: not returned)")
     elif res.truncated:
         print("  (answer cut at --max-new-tokens)")
+    if res.stop_reason == "max_steps":
+        print(f"  (stopped: {res.steps} steps ran out before an answer)")
+    elif res.stop_reason == "error":
+        print(f"  error     : {res.error}")
     if res.final_answer is not None:
         answer = " ".join(res.final_answer.split())
         print(f"  answer    : {answer[:300]}{' …' if len(answer) > 300 else ''}")
@@ -147,7 +152,8 @@ def cmd_demo(args) -> int:
 
 
 def load_tools(spec: str) -> list:
-    """The tools named by ``--tools MODULE:OBJ`` (a list of tools, or one tool). Raises :class:`UserError`."""
+    """The tools named by ``--tools MODULE:OBJ`` (a list or tuple of tools, a dict whose values are tools, or one
+    tool). Raises :class:`UserError` (a module that cannot be imported, raises on import or lacks ``OBJ``)."""
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:
         raise UserError(f"--tools {spec!r}: use MODULE:OBJ, e.g. examples.my_tools:TOOLS")
@@ -156,9 +162,18 @@ def load_tools(spec: str) -> list:
         module = importlib.import_module(mod_name)
     except ImportError as e:
         raise UserError(f"--tools {spec!r}: cannot import module {mod_name!r} ({e})") from None
+    except Exception as e:  # the user's module raised (or does not parse): where, in one line
+        tb = traceback.extract_tb(e.__traceback__)
+        where = "" if isinstance(e, SyntaxError) or not tb else f" ({tb[-1].filename}, line {tb[-1].lineno})"
+        message = " ".join(str(e).split())  # one line (a SyntaxError's names its file and line)
+        raise UserError(f"--tools {spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {message}"
+                        f"{where}") from None
     if not hasattr(module, attr):
         raise UserError(f"--tools {spec!r}: module {mod_name!r} has no {attr!r}")
     obj = getattr(module, attr)
+    if isinstance(obj, dict) and obj and "name" not in obj and "function" not in obj \
+            and all(callable(v) or isinstance(v, (dict, Tool)) for v in obj.values()):
+        return list(obj.values())  # {"add": add, ...}: its values are the tools
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pydantic
 
-from decoding import DEFAULT_MODEL, DecodeStats, Generator, LoadedModel
+from decoding import DEFAULT_MODEL, ContextLengthError, DecodeStats, Generator, LoadedModel
 from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
 from .engine import Engine, EngineConfig, LocalEngine, build_engine
@@ -46,7 +46,12 @@ class RunResult:
         truncated: a turn hit its token budget: a partial tool call or structured output is never returned; a
             partial text answer is returned in ``final_answer``.
         error: why the run stopped early without raising (a decoded call of a lenient tool that still failed
-            validation after the retries); the transcript and earlier results are kept. None when it did not.
+            validation after the retries, or tool results that no longer fit the context); the transcript and
+            earlier results are kept. None when it did not.
+        stop_reason: why the run ended: ``"answer"`` (a final answer), ``"calls"`` (calls returned for the
+            caller to run: ``pending_calls``), ``"length"`` (a token budget cut a turn, or ``max_total_tokens`` left
+            none), ``"max_steps"`` (the steps ran out after tool results, before an answer: e.g. a model calling
+            again and again), ``"error"`` (``error`` is set).
         stats: decode statistics summed over turns.
         steps: assistant turns decoded.
         raw_turns: each turn's decoded text, exactly.
@@ -62,6 +67,7 @@ class RunResult:
     steps: int = 0
     raw_turns: list[str] = field(default_factory=list)
     error: str | None = None
+    stop_reason: str = "max_steps"
 
 
 @dataclass
@@ -349,11 +355,24 @@ class Agent:
             if max_total_tokens is not None:
                 budget = min(budget, max_total_tokens - result.stats.new_tokens)
                 if budget <= 0:
-                    result.truncated = True
+                    result.truncated, result.stop_reason = True, "length"
                     break
-            out = self.engine.turn(messages, list(self.registry), choice,
-                                   response, parallel_tool_calls,
-                                   config.override(max_new_tokens=budget), on_text, **streaming)
+            try:
+                out = self.engine.turn(messages, list(self.registry), choice,
+                                       response, parallel_tool_calls,
+                                       config.override(max_new_tokens=budget), on_text, **streaming)
+            except ContextLengthError as e:
+                if not result.tool_calls:
+                    raise  # the caller's own messages do not fit
+                # tool results made the conversation too long: keep what the run has, say which result is largest
+                size = {id(rec): len(_to_json_text({"error": rec.error} if rec.error else rec.result))
+                        for rec in result.tool_calls}  # as the tool message holds it
+                big = max(result.tool_calls, key=lambda rec: size[id(rec)])
+                result.error = (f"the tool results no longer fit the context (the largest: tool {big.call.name!r}, "
+                                f"{size[id(big)]} characters); return less from the tool or raise ctx_size: {e}")
+                result.stop_reason = "error"
+                logger.warning("%s", result.error)
+                break
             result.stats = result.stats + out.stats
             result.steps += 1
             result.raw_turns.append(out.text)
@@ -363,7 +382,7 @@ class Agent:
                         out.stats.acceptance_rate, out.stats.forced, out.stop_reason)
             is_call = out.is_call
             if out.truncated:
-                result.truncated = True
+                result.truncated, result.stop_reason = True, "length"
                 if not is_call and response is None:  # a cut text answer is still an answer
                     result.final_answer = out.text
                     messages.append({"role": "assistant", "content": out.text})
@@ -377,6 +396,7 @@ class Agent:
                 if response is not None:
                     result.output = response.validate(json.loads(out.text))
                 emit(Event("final_answer", text=out.text, output=result.output))
+                result.stop_reason = "answer"
                 break
             try:
                 validated = [self.registry.parse_call(c) for c in out.calls]
@@ -384,6 +404,7 @@ class Agent:
                 if retries >= self.max_retries:  # keep what the run has, mark why it stopped
                     messages.append({"role": "assistant", "content": out.text})
                     result.error = f"decoded call still invalid after {retries} retries: {e}"
+                    result.stop_reason = "error"
                     logger.warning("%s", result.error)
                     break
                 retries += 1
@@ -406,11 +427,14 @@ class Agent:
                 messages.append({"role": "tool", "tool_call_id": rec.call.id, "name": rec.call.name,
                                  "content": _to_json_text(content)})
             if result.pending_calls or out.truncated:
+                if not out.truncated:
+                    result.stop_reason = "calls"
                 break
             choice = "auto"
         else:
             if invalid is not None:  # the steps ran out while an invalid call waited for its retry
                 result.error = f"decoded call invalid, and no step was left to retry it: {invalid}"
+                result.stop_reason = "error"
                 logger.warning("%s", result.error)
         return result
 

@@ -172,3 +172,47 @@ def test_cuda_on_a_torch_without_cuda_is_a_value_error_not_a_traceback():
         pytest.skip("this machine has CUDA: the refusal is for torch builds without it")
     with pytest.raises(ValueError, match="no CUDA device"):
         load_model("smollm2", device="cuda")
+
+
+def test_tool_results_past_the_context_end_the_run_keeping_what_it_has(tiny_target):
+    """A tool result too long for the context raised ContextLengthError after the tool had run, losing the run's
+    results, and blamed the prompt; now the run ends with ``error`` naming the tool, its calls and transcript
+    kept. The caller's own messages past the context still raise."""
+    from decoding import ContextLengthError
+    from schemas import Tool
+
+    fetch = Tool.from_schema("fetch_page", {"type": "object", "properties": {}}, description="Fetch the page.",
+                             fn=lambda: "word " * 6000)
+    agent = Agent(Generator(tiny_target), [fetch], max_steps=3)
+    res = agent.run("Fetch the page.", tool_choice="required", max_new_tokens=40)
+    assert [rec.call.name for rec in res.tool_calls] == ["fetch_page"] and res.steps == 1
+    assert "tool 'fetch_page'" in res.error and "30000 characters" in res.error
+    assert res.messages[-1]["role"] == "tool"
+    with pytest.raises(ContextLengthError):
+        agent.run("word " * 6000, tool_choice="required", max_new_tokens=40)
+
+
+def test_run_says_why_it_stopped(tiny_target, monkeypatch, capsys):
+    """A model calling again and again ran to ``max_steps`` with no sign of it (``error`` None, no answer); now
+    ``stop_reason`` says why each run ended, and ``python -m agent run`` prints it."""
+    from agent.__main__ import _print_run
+    from agent.engine import DecodedTurn
+    from schemas import Tool
+
+    call = DecodedTurn('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                       [{"name": "get_weather", "arguments": {"city": "Oslo"}}], True, "eos")
+    weather = Tool.from_schema("get_weather", WEATHER["function"]["parameters"], fn=lambda city: {"temp": 20})
+    agent = Agent(Generator(tiny_target), [weather], max_steps=3)
+    for turn, reason in [(call, "max_steps"), (DecodedTurn("It is 20 degrees.", None, False, "eos"), "answer"),
+                         (DecodedTurn("It is", None, False, "length"), "length")]:
+        monkeypatch.setattr(agent.engine, "turn", lambda *a, turn=turn, **k: turn)
+        res = agent.run("Weather in Oslo?")
+        assert res.stop_reason == reason and res.error is None
+    assert res.final_answer == "It is" and res.truncated
+    monkeypatch.setattr(agent.engine, "turn", lambda *a, **k: call)
+    res = agent.run("Weather in Oslo?")
+    assert res.steps == 3 and len(res.tool_calls) == 3 and res.final_answer is None
+    _print_run("Weather in Oslo?", res)
+    assert "3 steps ran out before an answer" in capsys.readouterr().out
+    pending = Agent(agent.engine, [WEATHER], max_steps=3).run("Weather in Oslo?")
+    assert pending.stop_reason == "calls" and pending.steps == 1 and pending.pending_calls

@@ -1,6 +1,8 @@
 """Bad input as a new user meets it: each gets a clear error or a sane documented result, and nothing is lost."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from agent import Agent
@@ -259,3 +261,24 @@ def test_a_call_complete_exactly_at_the_budget_is_returned_not_cut(hermes_gen, d
     res = Agent(engine, [WEATHER]).run(messages[0]["content"], tool_choice="required", max_new_tokens=budget,
                                        drafter=drafter, max_steps=1)
     assert not res.truncated and [c.name for c in res.pending_calls][:1] == ["get_weather"]
+
+
+@pytest.mark.parametrize("source, text", [("import nonexistent_dep_xyz\n", "cannot import module"),
+                                          ("x = 1 / 0\n", "raised ZeroDivisionError: division by zero"),
+                                          ("def f(:\n", "raised SyntaxError")])
+def test_cli_tools_module_that_fails_to_import_is_one_error_line(capsys, tmp_path, monkeypatch, source, text):
+    """A ``--tools`` module raising on import (or not parsing) printed a whole traceback and exited 1."""
+    (tmp_path / "broken_tools_mod.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_tools_mod", raising=False)
+    err = _one_line_error(capsys, ["run", "--model", "no-such-model", "--tools", "broken_tools_mod:TOOLS", "hi"])
+    assert text in err and "broken_tools_mod" in err
+
+
+def test_cli_tools_may_be_a_dict_of_tools(tmp_path, monkeypatch):
+    from agent.__main__ import load_tools
+
+    (tmp_path / "dict_tools_mod.py").write_text("def add(a: int, b: int) -> int:\n    return a + b\n"
+                                                "TOOLS = {'add': add}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert [t.__name__ for t in load_tools("dict_tools_mod:TOOLS")] == ["add"]
