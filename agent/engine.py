@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -436,14 +437,21 @@ class LocalEngine:
                     out.stats, prefixes = again.stats, frozenset()
                 else:
                     out = again
-        if (not out.is_call and response_format is None and out.stop_reason != "length"
-                and answer_wanted(messages, mode) and restates(out.text, tools, messages)):
-            # an answer that is only a call written as JSON (a ```json fence) or a tool result echoed, where an
-            # answer is wanted (after tool results, or under "none"): decoded again as an answer that cannot
-            # start with a backtick (a code block, or "``json" around the fence)
-            again = decode(answer_only=True, answer_excludes=("`",))
+        wanted = (not out.is_call and response_format is None and out.stop_reason != "length"
+                  and answer_wanted(messages, mode))
+        for attempt in range(2):
+            if not (wanted and (restates(out.text, tools, messages) or writes_call(out.text, tools))):
+                break
+            # where an answer is wanted (after tool results, or under "none"): an answer that is only a call
+            # written as JSON (a ```json fence) or a tool result echoed is decoded again as an answer that cannot
+            # start with a backtick (a code block, or "``json" around the fence); one that opens with a sign and
+            # writes a call among other text ('>{"name": "get_weather", …}'), or what that retry writes, is
+            # decoded again with no brace or backtick anywhere (at most twice in all)
+            first_restates = attempt == 0 and restates(out.text, tools, messages)
+            again = decode(answer_only=True, answer_excludes=("`",), answer_forbids="" if first_restates else "{`")
             again.stats = out.stats + again.stats
             out = again
+            wanted = out.stop_reason != "length"
         if not config.grounding or not out.calls:
             return out
         first, stats, excluded = out, out.stats, set()
@@ -519,15 +527,16 @@ class LocalEngine:
 
     def _decode(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, on_text, *,
                 exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = (),
-                integer_prefixes: frozenset[str] = frozenset()) -> DecodedTurn:
+                answer_forbids: str = "", integer_prefixes: frozenset[str] = frozenset()) -> DecodedTurn:
         """One decode of the turn (:meth:`turn` without the grounding rules); ``exclude``: tool names masked out of
         the grammar (the prompt still lists every tool); ``answer_only``: a text answer (``tool_choice="none"``'s
         grammar under the same prompt); ``answer_excludes``: openings the answer may not start with;
+        ``answer_forbids``: characters it may not hold;
         ``integer_prefixes``: digit prefixes no non-negative integer argument may start with."""
         ids, grammar, allowed, mode = self._prepare(messages, tools, tool_choice, response_format,
                                                     parallel_tool_calls, config, exclude=exclude,
                                                     answer_only=answer_only, answer_excludes=answer_excludes,
-                                                    integer_prefixes=integer_prefixes)
+                                                    answer_forbids=answer_forbids, integer_prefixes=integer_prefixes)
         parallel = bool(allowed) and mode != "none" and self.format.check_parallel(parallel_tool_calls)
         # several asked for where the format counts calls: the model's end is masked (_prepare) and the calls end
         # the turn (ParallelCallsEnd)
@@ -612,7 +621,7 @@ class LocalEngine:
 
     def _prepare(self, messages, tools, tool_choice, response_format, parallel_tool_calls, config, *,
                  exclude: set | None = None, answer_only: bool = False, answer_excludes: tuple[str, ...] = (),
-                 integer_prefixes: frozenset[str] = frozenset()):
+                 answer_forbids: str = "", integer_prefixes: frozenset[str] = frozenset()):
         """``(prompt ids, turn grammar, callable tools, tool_choice mode)``; ``exclude`` / ``answer_only``: see
         :meth:`_decode`."""
         allowed, mode = filter_tools(tools, tool_choice)
@@ -633,9 +642,10 @@ class LocalEngine:
                                            # several asked for, where the format counts calls: the end masked
                                            min_calls=config.max_parallel_calls + 1 if self.format.counts_calls
                                            else 2, answer_opens_no_call=True if answer_only else None,
-                                           answer_excludes=answer_excludes)
+                                           answer_excludes=answer_excludes, answer_forbids=answer_forbids)
         several = parallel_tool_calls is True and mode != "none" and bool(allowed)
-        return self.format.render(messages, list(tools), several=several), grammar, allowed, mode
+        prompt = self.format.render(messages, list(tools), several=several, call_asked=mode == "required")
+        return prompt, grammar, allowed, mode
 
     def _opens_call(self, text: str) -> bool:
         """Whether a turn's ``text`` (perhaps cut) opens a call: it starts with what opens one in this format."""
@@ -730,6 +740,19 @@ def answer_wanted(messages: list[dict], mode: str) -> bool:
     follows tool results, or calls are off (``"none"``). There :meth:`LocalEngine.turn` decodes again an answer that
     only :func:`restates` (and the server holds such an answer back while streaming)."""
     return mode == "none" or (bool(messages) and messages[-1].get("role") == "tool")
+
+
+def writes_call(text: str, tools: list[Tool]) -> bool:
+    """Whether a text answer opens with neither a letter nor a digit and writes a call of one of ``tools`` as JSON
+    somewhere: an object whose ``"name"`` names one of them (``>{"name": "get_weather", "arguments": …}``: what
+    Qwen2.5-Coder-0.5B answered after two tool results, scripts/chain_steps.py). An answer opening with a word is
+    prose, whatever it quotes (and streams live: ``agent.openai_protocol.TextStream``)."""
+    s = text.lstrip()
+    names = {t.name for t in tools}
+    return bool(s) and not s[0].isalnum() and any(m.group(1) in names for m in _NAME_VALUE.finditer(s))
+
+
+_NAME_VALUE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 def restates(text: str, tools: list[Tool], messages: list[dict]) -> bool:

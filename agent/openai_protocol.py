@@ -455,8 +455,9 @@ class TextStream:
     Only a free-text answer streams live: a tool call or a structured output is sent once validated (a cut one is
     never returned, so no fragment of it may go out first). With ``tool_choice`` auto the text is held until its
     start shows whether it opens a call (``call_prefixes``: the format's call openers, e.g. ``"<"``, ``"{"``,
-    ``"```json"``); after tool results or under ``"none"`` an answer opening with a backtick, ``{`` or ``[`` is
-    held whole (the engine may decode it again: ``agent.engine.restates``); the last ``len(longest stop) - 1``
+    ``"```json"``); after tool results or under ``"none"`` an answer opening with neither a letter nor a digit is
+    held whole (the engine may decode it again: ``agent.engine.restates``, ``writes_call``); the last
+    ``len(longest stop) - 1``
     characters are held back so a stop sequence is never sent. What was sent is always a prefix of the final
     ``content``.
     """
@@ -464,11 +465,12 @@ class TextStream:
     def __init__(self, req: ChatRequest, call_prefixes: tuple[str, ...]):
         mode = req.tool_choice if isinstance(req.tool_choice, str) else "required"
         self.live = req.response is None and mode != "required"
-        # where the engine decodes again an answer that only restates a call or a result as JSON
-        # (agent.engine.restates: after tool results, or under "none"), such an answer is held too
-        restating = bool(list(req.registry)) and answer_wanted(req.messages, mode)
-        self.may_call = mode == "auto" or restating
-        self.call_prefixes = tuple(call_prefixes) + (("`", "{", "[") if restating else ())
+        # where the engine decodes again an answer that restates a call or a result as JSON or writes a call
+        # (agent.engine.restates, writes_call: after tool results, or under "none"), an answer opening with
+        # neither a letter nor a digit is held too
+        self.restating = bool(list(req.registry)) and answer_wanted(req.messages, mode)
+        self.may_call = mode == "auto" or self.restating
+        self.call_prefixes = tuple(call_prefixes)
         self.hold = max((len(s) for s in req.stop), default=1) - 1
         self.stop = req.stop
         self.text = ""
@@ -483,8 +485,8 @@ class TextStream:
             s = self.text.lstrip()
             if not s:
                 return ""
-            if s.startswith(self.call_prefixes):
-                self.live = False  # a call: sent once validated
+            if s.startswith(self.call_prefixes) or (self.restating and not s[0].isalnum()):
+                self.live = False  # a call, or an answer the engine may decode again: sent once final
                 return ""
             if any(p.startswith(s) for p in self.call_prefixes):
                 return ""  # may still open a call (e.g. "``" of "```json")

@@ -117,7 +117,7 @@ CALL_ADD = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 1}}]</tool_ca
     ("auto", "Hello there.", "text"),
     ("auto", CALL_ADD, "call"),
     ("required", "Hello there.", "refused"),
-    ("none", CALL_ADD, "text"),  # "none": whatever the text says, it is an answer, never a call
+    ("none", "I would call add(1, 1).", "text"),  # "none": an answer, never a call
     ({"name": "square"}, CALL_ADD, "refused"),
     ({"name": "square"}, '<tool_call>[{"name": "square", "arguments": {"x": 3}}]</tool_call>', "call"),
 ])
@@ -372,3 +372,55 @@ def test_an_answer_that_is_the_scalar_a_tool_returned_stands(tiny_target):
     script = CountingScript("42", "unused")
     res = Agent(GrammarRecorder(tiny_target, script), [add], drafter="none").run("2 plus 40?")
     assert res.final_answer == "42" and script.answers == ["unused"]
+
+
+def test_an_answer_that_writes_a_call_after_other_characters_is_decoded_again_as_prose(tiny_target):
+    """After two tool results Qwen2.5-Coder-0.5B answered '>{"name": "get_weather", …}' (scripts/chain_steps.py):
+    no lone JSON, so it stood. An answer opening with neither a letter nor a digit that writes a call of a tool is
+    decoded again, now with no brace or backtick anywhere; one opening with a word stands, whatever it quotes."""
+    script = CountingScript('>{"name": "add", "arguments": {"a": 2, "b": 40}}', "The sum is 42.")
+    gen = GrammarRecorder(tiny_target, script)
+    res = Agent(gen, [add], drafter="none").run("2 plus 40?")
+    assert res.final_answer == "The sum is 42." and len(script.grammars) == 3
+    retry = script.grammars[2]
+    assert _refuses(gen, retry, "The sum is {") and _refuses(gen, retry, "The sum is `42`")
+    assert not _refuses(gen, retry, "The sum is 42.")
+    # a lone restated call keeps its retry, which may quote JSON or code after its first word (a helper found
+    # the code and JSON asked for after a tool result mangled where every retry forbade braces)
+    script = CountingScript('```json\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n```', "unused")
+    gen = GrammarRecorder(tiny_target, script)
+    Agent(gen, [add], drafter="none").run("2 plus 40?")
+    assert not _refuses(gen, script.grammars[2], 'Here it is: ```python\n{"sum": 42}\n```')
+    # the restated call's retry writing a call behind a sign (the 0.5B after two results): once more, no braces
+    script = CountingScript('```json\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n```',
+                            '>{"name": "add", "arguments": {"a": 2, "b": 40}}', "It is 42.", "unused")
+    gen = GrammarRecorder(tiny_target, script)
+    assert Agent(gen, [add], drafter="none").run("2 plus 40?").final_answer == "It is 42."
+    assert script.answers == ["unused"] and _refuses(gen, script.grammars[3], "It is {")
+    script = CountingScript('I called {"name": "add", "arguments": {"a": 2, "b": 40}}', "unused")
+    res = Agent(GrammarRecorder(tiny_target, script), [add], drafter="none").run("2 plus 40?")
+    assert res.final_answer.startswith("I called") and script.answers == ["unused"]
+
+
+@pytest.mark.parametrize("text,live", [("The sum is 42.", True), ('>{"name"', False), ("42 it is", True),
+                                       ("* 42", False)])
+def test_a_streamed_answer_after_tool_results_is_held_where_it_may_be_decoded_again(text, live):
+    from agent.engine import EngineConfig
+    from agent.openai_protocol import TextStream, parse_chat_request
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, EngineConfig(), ("m",))
+    stream = TextStream(req, ("<tool_call>",))
+    assert stream.feed(text) == (text if live else "") and stream.live == live
+
+
+def test_under_none_a_call_written_as_text_is_an_answer_decoded_again_as_prose(tiny_target):
+    """``"none"``: whatever the text says, it is an answer, never a call; one that writes a call behind a marker
+    (``<tool_call>[{"name": "add", …}]``) is decoded again with no brace or backtick (``agent.engine.writes_call``)."""
+    answers = iter([CALL_ADD, "Two."])
+    agent = Agent(ScriptedGenerator(tiny_target, lambda p: next(answers)), [add, square], drafter="none")
+    res = agent.run("Add 1 and 1.", tool_choice="none", max_steps=1)
+    assert not res.tool_calls and res.final_answer == "Two." and res.stop_reason == "answer"

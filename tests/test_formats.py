@@ -320,3 +320,24 @@ def template_chat_of(messages: list[dict]) -> list[dict]:
     from agent.formats.base import template_chat
 
     return template_chat(messages)
+
+
+def test_after_tool_results_a_turn_that_must_call_lists_the_tools(fam):
+    """After tool results the prompt is an answer prompt without the tool list (small models answer from the
+    results better so); a turn whose grammar asks for a call (``required``, a named tool) forced a call of tools
+    the prompt did not show. Now such a turn lists them as a first turn does."""
+    name, tok, gen = fam
+    fmt = make_format(tok)
+    history = [{"role": "user", "content": "Weather in Oslo, then in Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'}]
+    answer = tok.decode(fmt.render(history, [WEATHER]))
+    asked = tok.decode(fmt.render(history, [WEATHER], call_asked=True))
+    assert "Weather of a city." in asked and '{"temp": 3}' in asked
+    assert ("Weather of a city." in answer) is (name == "llama3_json")  # llama3_json lists the tools every turn
+    agent = Agent(gen, [WEATHER])
+    for choice, prompt in [("required", asked), ({"type": "function", "function": {"name": "get_weather"}}, asked),
+                           ("auto", answer)]:
+        ids = agent.engine._prepare(history, [WEATHER], choice, None, None, agent.config)[0]
+        assert tok.decode(ids) == prompt

@@ -59,13 +59,17 @@ class ToolFormat:
 
     # -- the interface --------------------------------------------------------------------------------------------
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
-               several: bool = False) -> list[int]:
+               several: bool = False, call_asked: bool = False) -> list[int]:
         """Prompt token ids for OpenAI-style ``messages`` (generation prompt added).
 
         Args:
             use_tools: list ``tools`` in the prompt.
             several: several calls are asked for (``parallel_tool_calls=True``); a format may then show its
                 several-call layout in the prompt (``hermes`` does; the others render as without).
+            call_asked: the turn's grammar asks for a call (``tool_choice`` ``"required"`` or a named tool).
+                After tool results ``hermes`` and ``generic`` render an answer prompt without the tool list
+                (small models answer from the results better so); where a call is asked for they list the tools
+                as on a first turn.
         """
         raise NotImplementedError
 
@@ -75,7 +79,7 @@ class ToolFormat:
                      excluded_integer_prefixes: frozenset[str] = frozenset(), after_results: bool = False,
                      lenient_answer: bool = False, min_calls: int = 2,
                      answer_opens_no_call: bool | None = None,
-                     answer_excludes: tuple[str, ...] = ()) -> Grammar:
+                     answer_excludes: tuple[str, ...] = (), answer_forbids: str = "") -> Grammar:
         """The grammar of one assistant turn.
 
         Args:
@@ -103,6 +107,8 @@ class ToolFormat:
                 answer the engine decodes instead of a call that took nothing from the conversation.
             answer_excludes: more openings a text answer may not start with (the engine passes a backtick when it
                 decodes again an answer that only restated a call as JSON: ``LocalEngine.turn``).
+            answer_forbids: characters a text answer may not hold anywhere (the engine passes ``{`` and a backtick
+                when it decodes again, after tool results, an answer that wrote a call as JSON).
         Raises:
             ToolFormatError: ``parallel=True`` for a format with no trained layout for several calls.
         """
@@ -132,7 +138,7 @@ class ToolFormat:
             else:
                 no_call = bool(start) if answer_opens_no_call is None else answer_opens_no_call
                 excluded = (tuple(self.call_prefixes()) if no_call else ()) + tuple(answer_excludes)
-                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(excluded)}/")
+                rules.append(f"answer: TEXT\nTEXT: /{answer_text_regex(excluded, answer_forbids)}/")
             start.append("answer")
         return lark_grammar("start: " + " | ".join(start) + "\n" + "\n".join(rules) + "\n")
 
@@ -363,24 +369,28 @@ def json_closings(text: str) -> Iterator[str]:
         yield candidate
 
 
-def answer_text_regex(excluded: tuple[str, ...] | list[str]) -> str:
+def answer_text_regex(excluded: tuple[str, ...] | list[str], forbids: str = "") -> str:
     """A regex (llguidance's Lark dialect, no delimiters) of a non-empty text answer: its first character is not
-    whitespace and it starts with none of ``excluded`` (a text that is a proper prefix of one, e.g. a lone
-    ``"`"`` for ``"```json"``, is allowed). Built from the prefixes' trie, since the dialect has no lookahead."""
+    whitespace, it starts with none of ``excluded`` (a text that is a proper prefix of one, e.g. a lone
+    ``"`"`` for ``"```json"``, is allowed) and holds none of the characters ``forbids``. Built from the prefixes'
+    trie, since the dialect has no lookahead."""
     def esc(c: str) -> str:
         return "\\" + c if c in "\\]^-[/" else ("\\n" if c == "\n" else c)
 
+    banned = "".join(esc(c) for c in sorted(set(forbids)))
+    tail = f"[^{banned}]*" if banned else "(.|\\n)*"
+
     def node(prefixes: list[str], top: bool) -> str:
         firsts = sorted({p[0] for p in prefixes})
-        alts = ["[^" + "".join(esc(c) for c in firsts) + ("\\s" if top else "") + "](.|\\n)*"]
+        alts = ["[^" + "".join(esc(c) for c in firsts) + banned + ("\\s" if top else "") + "]" + tail]
         for c in firsts:
             rest = [p[1:] for p in prefixes if p[0] == c]
-            if "" not in rest:  # c opens no whole prefix yet: what may follow it
+            if "" not in rest and c not in forbids:  # c opens no whole prefix yet: what may follow it
                 alts.append(f"{esc(c)}({node(rest, False)})?")
         return "|".join(alts) if len(alts) > 1 else alts[0]
 
     prefixes = [p for p in excluded if p]
-    return node(prefixes, True) if prefixes else "[^\\s](.|\\n)*"
+    return node(prefixes, True) if prefixes else f"[^{banned}\\s]" + tail
 
 
 def single_added_token(tokenizer, text: str) -> int | None:

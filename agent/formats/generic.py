@@ -49,10 +49,10 @@ class GenericFormat(ToolFormat):
     parallel = True
 
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
-               several: bool = False) -> list[int]:
+               several: bool = False, call_asked: bool = False) -> list[int]:
         if self.chat_template == getattr(self.tokenizer, "chat_template", None):
-            return render_prompt(self.tokenizer, messages, tools, use_tools=use_tools)
-        return self.encode_chat(to_chat_messages(messages, tools, use_tools=use_tools))
+            return render_prompt(self.tokenizer, messages, tools, use_tools=use_tools, call_asked=call_asked)
+        return self.encode_chat(to_chat_messages(messages, tools, use_tools=use_tools, call_asked=call_asked))
 
     def calls_rule(self, parallel: bool, after_results: bool = False) -> str:
         more = f' ("{SEPARATORS[0]}" call)*' if parallel else ""
@@ -116,11 +116,13 @@ def render_call_text(calls: list[dict]) -> str:
     return f"{CALL_OPEN}[{body}]{CALL_CLOSE}"
 
 
-def to_chat_messages(messages: list[dict], tools: list[Tool], *, use_tools: bool) -> list[dict]:
+def to_chat_messages(messages: list[dict], tools: list[Tool], *, use_tools: bool,
+                     call_asked: bool = False) -> list[dict]:
     """OpenAI-style messages -> plain ``{"role", "content"}`` messages for a chat template without tool support.
 
-    The tool list goes into the system message; assistant tool calls become their ``<tool_call>`` text; tool
-    results keep the ``tool`` role with JSON content.
+    The tool list goes into the system message (after tool results an answer prompt instead, unless
+    ``call_asked``: ``ToolFormat.render``); assistant tool calls become their ``<tool_call>`` text; tool results
+    keep the ``tool`` role with JSON content.
     """
     out: list[dict] = []
     for m in messages:
@@ -138,7 +140,7 @@ def to_chat_messages(messages: list[dict], tools: list[Tool], *, use_tools: bool
                         else json.dumps(m.get("content"), ensure_ascii=False)})
         else:
             out.append({"role": role, "content": m.get("content") or ""})
-    after_results = bool(messages) and messages[-1]["role"] == "tool"
+    after_results = bool(messages) and messages[-1]["role"] == "tool" and not call_asked
     if use_tools and tools:
         user_system = out[0]["content"] if out and out[0]["role"] == "system" else None
         text = (ANSWER_SYSTEM_PROMPT if user_system is None else user_system + "\n\n" + ANSWER_SYSTEM_PROMPT) \
@@ -150,7 +152,8 @@ def to_chat_messages(messages: list[dict], tools: list[Tool], *, use_tools: bool
     return out
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_tools: bool = True) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
+                  call_asked: bool = False) -> list[int]:
     """Token ids of the chat in the ``generic`` format with the tokenizer's own chat template (generation prompt
     added); message content is tokenized as plain text (see :func:`agent.formats.chat.encode_template_chat`).
 
@@ -158,7 +161,8 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[Tool], *, use_too
         ValueError: the chat template rewrites message content in a way that hides where it sits in the prompt,
             and some content holds a special-token string (it cannot then be kept plain text).
     """
-    return encode_template_chat(tokenizer, to_chat_messages(messages, tools, use_tools=use_tools))
+    return encode_template_chat(tokenizer, to_chat_messages(messages, tools, use_tools=use_tools,
+                                                            call_asked=call_asked))
 
 
 def turn_grammar(tools: list[Tool], tool_choice: Any = "auto", *, parallel: bool = True,

@@ -62,9 +62,9 @@ class HermesFormat(ToolFormat):
     _default_system: str | None = None  # default_system(), once read from the template
 
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
-               several: bool = False) -> list[int]:
+               several: bool = False, call_asked: bool = False) -> list[int]:
         chat = template_chat(messages)
-        if use_tools and tools and messages and messages[-1]["role"] == "tool":
+        if use_tools and tools and messages and messages[-1]["role"] == "tool" and not call_asked:
             if chat[0]["role"] == "system":
                 chat[0] = {"role": "system", "content": chat[0]["content"] + "\n\n" + ANSWER_SYSTEM_PROMPT}
             else:

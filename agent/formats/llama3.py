@@ -23,7 +23,7 @@ class Llama3JsonFormat(ToolFormat):
     parallel = False
 
     def render(self, messages: list[dict], tools: list[Tool], *, use_tools: bool = True,
-               several: bool = False) -> list[int]:
+               several: bool = False, call_asked: bool = False) -> list[int]:
         chat = template_chat(messages, one_call_per_turn=True)
         extra = {"tools": openai_tools(tools)} if use_tools and tools else {}
         return self.encode_chat(chat, **extra)
