@@ -440,15 +440,16 @@ class LocalEngine:
         wanted = (not out.is_call and response_format is None and out.stop_reason != "length"
                   and answer_wanted(messages, mode))
         for attempt in range(2):
-            if not (wanted and (restates(out.text, tools, messages) or writes_call(out.text, tools))):
+            restated = wanted and restates(out.text, tools, messages)
+            if not (restated or (wanted and writes_call(out.text, tools))):
                 break
             # where an answer is wanted (after tool results, or under "none"): an answer that is only a call
             # written as JSON (a ```json fence) or a tool result echoed is decoded again as an answer that cannot
             # start with a backtick (a code block, or "``json" around the fence); one that opens with a sign and
             # writes a call among other text ('>{"name": "get_weather", …}'), or what that retry writes, is
             # decoded again with no brace or backtick anywhere (at most twice in all)
-            first_restates = attempt == 0 and restates(out.text, tools, messages)
-            again = decode(answer_only=True, answer_excludes=("`",), answer_forbids="" if first_restates else "{`")
+            again = decode(answer_only=True, answer_excludes=("`",),
+                           answer_forbids="" if restated and attempt == 0 else "{`")
             again.stats = out.stats + again.stats
             out = again
             wanted = out.stop_reason != "length"

@@ -457,9 +457,8 @@ class TextStream:
     start shows whether it opens a call (``call_prefixes``: the format's call openers, e.g. ``"<"``, ``"{"``,
     ``"```json"``); after tool results or under ``"none"`` an answer opening with neither a letter nor a digit is
     held whole (the engine may decode it again: ``agent.engine.restates``, ``writes_call``); the last
-    ``len(longest stop) - 1``
-    characters are held back so a stop sequence is never sent. What was sent is always a prefix of the final
-    ``content``.
+    ``len(longest stop) - 1`` characters are held back so a stop sequence is never sent. What was sent is always a
+    prefix of the final ``content``.
     """
 
     def __init__(self, req: ChatRequest, call_prefixes: tuple[str, ...]):

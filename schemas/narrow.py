@@ -263,23 +263,7 @@ def calendar_dates(schema: Any) -> Any:
     """``schema`` with each ``format: date`` / ``date-time`` also constrained to real calendar dates (a pattern
     next to the format, or inside an ``allOf`` when the node has its own ``pattern``). Returned as is when the
     schema has no such format."""
-    if not any(node.get("format") in _CALENDAR_PATTERNS for _, node in walk(schema)):
-        return schema
-    schema = copy.deepcopy(schema)
-    for _, node in walk(schema):
-        pattern = _CALENDAR_PATTERNS.get(node.get("format"))
-        if pattern is not None:
-            _add_pattern(node, pattern)
-    return schema
-
-
-def _add_pattern(node: dict, pattern: str) -> None:
-    """``pattern`` also constrains ``node``: as its ``pattern``, or inside an ``allOf`` where it has its own."""
-    if "pattern" not in node:
-        node["pattern"] = pattern
-    else:
-        node["allOf"] = list(node.get("allOf") or []) + [{"pattern": pattern}]
-
+    return _with_format_patterns(schema, _CALENDAR_PATTERNS)
 
 
 # RFC 3339 lets a time's fraction of a second run on (``12:00:00.0000000…``): a small model copying a time can write
@@ -293,13 +277,25 @@ def bounded_fractions(schema: Any) -> Any:
     """``schema`` with each ``format: time`` / ``date-time`` also constrained to at most :data:`FRACTION_DIGITS`
     digits of a second's fraction (a pattern next to the format, or inside an ``allOf`` when the node has its own
     ``pattern``). Returned as is when the schema has no such format."""
-    if not any(node.get("format") in ("time", "date-time") for _, node in walk(schema)):
+    return _with_format_patterns(schema, {"time": _FRACTION_PATTERN, "date-time": _FRACTION_PATTERN})
+
+
+def _with_format_patterns(schema: Any, patterns: dict[str, str]) -> Any:
+    """A copy of ``schema`` where each node whose ``format`` is a key of ``patterns`` is also constrained by that
+    pattern: as its ``pattern``, or inside an ``allOf`` where it has its own; ``schema`` itself where none is."""
+    if not any(node.get("format") in patterns for _, node in walk(schema)):
         return schema
     schema = copy.deepcopy(schema)
     for _, node in walk(schema):
-        if node.get("format") in ("time", "date-time"):
-            _add_pattern(node, _FRACTION_PATTERN)
+        pattern = patterns.get(node.get("format"))
+        if pattern is None:
+            continue
+        if "pattern" not in node:
+            node["pattern"] = pattern
+        else:
+            node["allOf"] = list(node.get("allOf") or []) + [{"pattern": pattern}]
     return schema
+
 
 # -- formats stated in descriptions ---------------------------------------------------------------------------------
 # "in the format 'YYYY-MM-DD'", "formatted as 'MM/DD/YYYY'", "in ISO 8601 format 'YYYY-MM-DDTHH:MM:SS'"
