@@ -10,16 +10,26 @@ MTP head) and returns a fresh drafter for one sequence, or None: ``none`` is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 from .backends import HIDDEN_STATES, TORCH_WEIGHTS
 from .drafters import ChainDrafter, Drafter, DraftModelDrafter, PromptLookupDrafter, SchemaDrafter
 from .mtp import MTPDrafter
 
-if TYPE_CHECKING:
-    from .generator import Generator
 
-DrafterFactory = Callable[["Generator"], "Drafter | None"]
+
+class DrafterHost(Protocol):
+    """What a factory reads from the target (a :class:`decoding.Generator` provides it; typed here without importing
+    it, so the table does not import the generator that imports the table)."""
+
+    def new_draft_target(self) -> Any: ...
+
+    def mtp_head(self) -> Any: ...
+
+    def resolve_drafter(self, name: str) -> str: ...
+
+
+DrafterFactory = Callable[[DrafterHost], "Drafter | None"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,7 @@ class DrafterRow:
     needs: frozenset[str] = frozenset()
     summary: str = ""
 
-    def __call__(self, generator: "Generator") -> Drafter | None:
+    def __call__(self, generator: DrafterHost) -> Drafter | None:
         return self.make(generator)
 
 
@@ -84,7 +94,7 @@ def check_drafter(name: str) -> None:
         raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(drafter_choices())}")
 
 
-def make_drafter(name: str, generator: "Generator") -> Drafter | None:
+def make_drafter(name: str, generator: DrafterHost) -> Drafter | None:
     """A fresh drafter for mode ``name`` (``auto`` resolved for the generator's model; None for ``none`` /
     ``forced``). Raises ``ValueError`` for an unknown name, and whatever the factory raises (no draft model, no MTP
     checkpoint)."""
