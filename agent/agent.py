@@ -17,6 +17,7 @@ from schemas import ResponseFormat, Tool, ToolCall, ToolCallError, ToolRegistry
 
 from .engine import Engine, EngineConfig, LocalEngine, build_engine
 from .openai_protocol import ROLES
+from .tool_choice import filter_tools
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ class RunResult:
         truncated: a turn hit its token budget: a partial tool call or structured output is never returned; a
             partial text answer is returned in ``final_answer``.
         error: why the run stopped early without raising (a decoded call of a lenient tool that still failed
-            validation after the retries, or tool results that no longer fit the context); the transcript and
-            earlier results are kept. None when it did not.
+            validation after the retries, tool results that no longer fit the context, an answer that fails a
+            relaxed ``response_format``: ``final_answer`` holds its text, ``output`` None; in ``run_batch``, what
+            that prompt's run raised); the transcript and earlier results are kept. None when it did not.
         stop_reason: why the run ended: ``"answer"`` (a final answer), ``"calls"`` (calls returned for the
             caller to run: ``pending_calls``), ``"length"`` (a token budget cut a turn, or ``max_total_tokens`` left
             none), ``"max_steps"`` (the steps ran out after tool results, before an answer: e.g. a model calling
@@ -122,7 +124,8 @@ class Agent:
             installed), ``"torch"`` on transformers. ``engine`` is an alias of ``backend``.
         max_steps: assistant turns per run.
         strict: reject schemas the grammar cannot enforce exactly (default); False relaxes them in the grammar and
-            validates every output (failed calls are retried ``max_retries`` times with the error fed back).
+            validates every output (failed calls are retried ``max_retries`` times with the error fed back), for
+            the tools registered and for ``run``'s ``response_format``.
         tool_timeout: seconds a tool may run before its call gets a timeout error (None: no limit).
         parallel_tool_execution: run the calls of one turn concurrently when every tool is ``thread_safe``.
         tool_format, chat_template: the local engine's tool-call format (``hermes``, ``llama3_json``, ``generic``;
@@ -216,8 +219,11 @@ class Agent:
             prompt: a user message, or OpenAI-style messages (user-supplied tool calls are validated).
             tool_choice: ``"auto"``, ``"required"``, ``"none"`` or ``{"name": ...}``, enforced by the grammar on
                 the first turn; later turns are ``"auto"`` (so a forced call cannot loop).
-            response_format: a pydantic model class or a JSON Schema: the final answer is constrained to it and
-                returned validated in ``RunResult.output`` (a model instance, or the parsed JSON).
+            response_format: a pydantic model class, a JSON Schema (OpenAI's ``{"type": "json_schema", …}``
+                wrapper too) or a :class:`schemas.ResponseFormat`: the final answer is constrained to it and
+                returned validated in ``RunResult.output`` (a model instance, or the parsed JSON); relaxed in the
+                grammar where the agent is ``strict=False`` or the format says so (``ResponseFormat(...,
+                strict=False)``, ``"strict": false``).
             max_new_tokens: per-turn output budget (tokens, >= 1).
             max_total_tokens: budget over all turns of the run (tokens, >= 1); None: no limit.
             parallel_tool_calls: allow several calls in one turn (None: when the tool format has a layout for
@@ -298,46 +304,69 @@ class Agent:
         return self._streams
 
     def run_batch(self, prompts: list[str | list[dict]], *, max_workers: int = 1, backend: str = "thread",
-                  **kwargs) -> list[RunResult]:
+                  return_errors: bool = True, **kwargs) -> list[RunResult]:
         """Run many prompts; results in input order.
 
         ``backend="thread"``: ``max_workers > 1`` runs them on threads (each run has its own KV cache and grammar
         state; weights are shared read-only); on llama.cpp, after ``agent.engine.generator.enable_batching(n)``, the
-        threads' decodes are continuously batched (``decoding.batch``: one ``llama_decode`` per step for all). ``backend="ray"``: ``max_workers`` Ray actors, each rebuilding this
-        agent from :meth:`spec` (its own engine: the model loaded in the actor, or the same remote server), on the
-        cluster ``ray.init`` connected to (see ``agent.distributed``).
+        threads' decodes are continuously batched (``decoding.batch``: one ``llama_decode`` per step for all).
+        ``backend="ray"``: ``max_workers`` Ray actors, each rebuilding this agent from :meth:`spec` (its own engine:
+        the model loaded in the actor, or the same remote server), on the cluster ``ray.init`` connected to (see
+        ``agent.distributed``). ``kwargs``: :meth:`run`'s options, the same for every prompt.
+
+        Every prompt and option is checked before any prompt runs (the errors :meth:`run` raises for them, the
+        prompt's index named). A prompt whose run then raises (its messages too long for the context, a remote
+        server's error) does not cost the others their results: with ``return_errors`` (default) its
+        :class:`RunResult` has ``stop_reason == "error"`` and ``error`` naming the exception (``messages``: its
+        prompt's); with ``return_errors=False`` the first such error, in input order, is raised once every run has
+        ended.
         """
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable):
             raise ValueError(f"run_batch takes a list of prompts (each a string or a message list), got "
                              f"{type(prompts).__name__}; for one prompt use run()")
         prompts = list(prompts)
-        if backend == "ray":
-            from .distributed import ray_run_batch
-
-            return ray_run_batch(agent_from_spec, self.spec(), prompts, num_actors=max_workers,
-                                 run_kwargs=kwargs)
-        if backend != "thread":
+        if backend not in ("thread", "ray"):
             raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+        inspect.signature(self.run).bind("", **kwargs)  # TypeError naming an argument run() does not take
+        run_options = {k: kwargs.get(k, d) for k, d in (("tool_choice", "auto"), ("response_format", None),
+                                                         ("max_total_tokens", None), ("max_steps", None),
+                                                         ("parallel_tool_calls", None))}
+        self._options(**run_options, overrides={k: v for k, v in kwargs.items() if k not in run_options})
         for i, p in enumerate(prompts):  # every prompt checked before any runs
             try:
                 self._initial_messages(p)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        if max_workers <= 1:
-            return [self.run(p, **kwargs) for p in prompts]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
-            return list(pool.map(lambda p: self.run(p, **kwargs), prompts))
+        if backend == "ray":
+            from .distributed import ray_run_batch
+
+            outcomes = ray_run_batch(agent_from_spec, self.spec(), prompts, num_actors=max_workers,
+                                     run_kwargs=kwargs)
+        elif max_workers <= 1:
+            outcomes = [_outcome(self.run, p, kwargs) for p in prompts]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+                outcomes = list(pool.map(lambda p: _outcome(self.run, p, kwargs), prompts))
+        results = []
+        for i, (p, out) in enumerate(zip(prompts, outcomes)):
+            if isinstance(out, RunResult):
+                results.append(out)
+                continue
+            if not return_errors:
+                raise out
+            logger.warning("run_batch: prompts[%d] failed: %s: %s", i, type(out).__name__, out)
+            results.append(RunResult(messages=self._initial_messages(p), error=f"{type(out).__name__}: {out}",
+                                     stop_reason="error"))
+        return results
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def _run(self, prompt, emit: Callable[[Event], None] | None, *, tool_choice: Any = "auto",
              response_format: Any = None, max_total_tokens: int | None = None, max_steps: int | None = None,
              parallel_tool_calls: bool | None = None, **overrides: Any) -> RunResult:
-        config = self.config.override(**overrides)  # raises ValueError naming a bad override (max_new_tokens < 1)
-        _check_budgets(config.max_new_tokens, max_total_tokens, max_steps)
-        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise ValueError(f"parallel_tool_calls must be True, False or None, got {parallel_tool_calls!r}")
+        config, response = self._options(tool_choice, response_format, max_total_tokens, max_steps,
+                                         parallel_tool_calls, overrides)
         on_text = None if emit is None else (lambda text: emit(Event("token", text=text)))
         # a turn decoded again: the token events since the turn began are void ("discard"); an engine of the
         # protocol before on_discard is called without it
@@ -345,7 +374,6 @@ class Agent:
             self.engine) else {}
         emit = emit or (lambda event: None)
         messages = self._initial_messages(prompt)
-        response = None if response_format is None else ResponseFormat(response_format)
         result = RunResult(messages=messages)
         choice = tool_choice
         retries = 0
@@ -393,10 +421,14 @@ class Agent:
             if not is_call:
                 messages.append({"role": "assistant", "content": out.text})
                 result.final_answer = out.text
-                if response is not None:
-                    result.output = response.validate(json.loads(out.text))
-                emit(Event("final_answer", text=out.text, output=result.output))
                 result.stop_reason = "answer"
+                if response is not None:
+                    try:
+                        result.output = response.validate(json.loads(out.text))
+                    except ToolCallError as e:  # a relaxed (strict=False) format: the grammar let it through
+                        result.error, result.stop_reason = f"the answer fails its response_format: {e}", "error"
+                        logger.warning("%s", result.error)
+                emit(Event("final_answer", text=out.text, output=result.output))
                 break
             try:
                 validated = [self.registry.parse_call(c) for c in out.calls]
@@ -437,6 +469,22 @@ class Agent:
                 result.stop_reason = "error"
                 logger.warning("%s", result.error)
         return result
+
+    def _options(self, tool_choice: Any, response_format: Any, max_total_tokens: Any, max_steps: Any,
+                 parallel_tool_calls: Any, overrides: dict) -> tuple[EngineConfig, ResponseFormat | None]:
+        """A run's options checked before it decodes: (its config, its response format).
+
+        Raises:
+            ValueError: a bad override, budget, ``parallel_tool_calls`` or ``tool_choice`` (naming it).
+            ToolCallError: ``tool_choice`` names a tool that is not registered.
+            SchemaError: ``response_format`` is not a valid, enforceable schema.
+        """
+        config = self.config.override(**overrides)  # raises ValueError naming a bad override (max_new_tokens < 1)
+        _check_budgets(config.max_new_tokens, max_total_tokens, max_steps)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls must be True, False or None, got {parallel_tool_calls!r}")
+        filter_tools(self.registry, tool_choice)
+        return config, _response_format(response_format, self.registry.strict)
 
     def _run_one(self, call: ToolCall) -> ToolCallRecord:
         tool = self.registry.get(call.name)
@@ -545,6 +593,23 @@ def _check_answers_a_call(messages: list[dict], i: int) -> None:
     if call_id is not None and ids and call_id not in ids:
         raise ValueError(f"message {i} (tool): tool_call_id {call_id!r} names no call of message {j} "
                          f"({', '.join(sorted(map(repr, ids)))})")
+
+
+def _outcome(run: Callable[..., RunResult], prompt: Any, kwargs: dict) -> RunResult | Exception:
+    """``run(prompt, **kwargs)``, or the exception it raised."""
+    try:
+        return run(prompt, **kwargs)
+    except Exception as e:  # noqa: BLE001 - returned to run_batch, which reports it for this prompt
+        return e
+
+
+def _response_format(spec: Any, strict: bool) -> ResponseFormat | None:
+    """``run``'s ``response_format``: None, a :class:`ResponseFormat` as given, or one built from a pydantic model
+    class or JSON Schema (OpenAI's wrappers included) with the agent's ``strict`` (an OpenAI wrapper's own
+    ``"strict": false`` relaxes it too)."""
+    if spec is None or isinstance(spec, ResponseFormat):
+        return spec
+    return ResponseFormat(spec, strict=strict)
 
 
 def _check_budgets(max_new_tokens: Any, max_total_tokens: Any, max_steps: Any) -> None:

@@ -10,6 +10,7 @@ engines give the same results as a serial run.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 
@@ -20,14 +21,23 @@ class _AgentActor:
         self.agent = build(spec)
 
     def run(self, prompt: Any, run_kwargs: dict):
-        return self.agent.run(prompt, **run_kwargs)
+        """The run's result, or the exception it raised (as itself where it survives pickling, else a
+        ``RuntimeError`` naming it), so one failed prompt does not discard the others' results."""
+        try:
+            return self.agent.run(prompt, **run_kwargs)
+        except Exception as e:  # noqa: BLE001 - returned to the caller, which reports it for this prompt
+            try:
+                pickle.loads(pickle.dumps(e))
+                return e
+            except Exception:  # noqa: BLE001 - an exception class Ray could not carry back
+                return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def ray_run_batch(build: Callable[[tuple], Any], spec: tuple, prompts: list, *, num_actors: int = 1,
                   run_kwargs: dict | None = None, num_cpus_per_actor: float = 1) -> list:
     """Run ``prompts`` on ``num_actors`` Ray actors, each holding the agent ``build(spec)`` returns (``build``: a
     module-level function, e.g. ``agent_from_spec``, so Ray pickles it by reference); the :class:`RunResult` list
-    in input order.
+    in input order (the exception a prompt's run raised in its place).
 
     Raises:
         RuntimeError: Ray is not initialised (call ``ray.init(...)`` first).

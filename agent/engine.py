@@ -470,13 +470,21 @@ class LocalEngine:
             if out.truncated and out.is_call:
                 out = first  # a retry cut by the budget: the first turn stands
                 break
-            if (final and response_format is None and out.stop_reason != "length"
-                    and restates(out.text, tools, messages)):
+            if final and response_format is None:
                 # the answer the grounding fell back to only writes a call as JSON ("What is the capital of
                 # France?" → ```json {"name": "get_weather", …}): decoded again as prose (no backtick or brace
-                # first: a bare {"name": …} is how the format writes a call)
-                out = decode(answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes)
-                stats = stats + out.stats
+                # first: a bare {"name": …} is how the format writes a call); one that opens with a sign and
+                # writes a call ('({"name": "add", …}'), or what that retry writes, with no brace or backtick
+                # anywhere (as for any answer: above)
+                for attempt in range(2):
+                    if out.stop_reason == "length":
+                        break
+                    restated = restates(out.text, tools, messages)
+                    if not (restated or writes_call(out.text, tools)):
+                        break
+                    out = decode(answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes,
+                                 answer_forbids="" if restated and attempt == 0 else "{`")
+                    stats = stats + out.stats
         out.stats = stats
         if out.calls:
             out.calls = returned_calls(out.calls, allowed, messages, grounding,

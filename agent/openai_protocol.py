@@ -28,12 +28,13 @@ from .engine import DecodedTurn, EngineConfig, answer_wanted
 
 STANDARD_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format",
                    "temperature", "top_p", "seed", "max_tokens", "max_completion_tokens", "stop", "stream",
-                   "stream_options", "n", "user")
+                   "stream_options", "n", "user", "metadata", "service_tier")
 EXTRA_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "window", "max_string_length", "max_decimals",
                 "max_items", "grounding", "close_at_model_end", "tool_prior")
 # standard parameters served only at their default (no effect): any other value is refused, naming the parameter
 DEFAULT_ONLY_FIELDS = {"logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
-                       "logit_bias": {}}
+                       "logit_bias": {}, "store": False}
+SERVICE_TIERS = ("auto", "default")  # one tier here: the others OpenAI names are refused
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ARGUMENT_FRAGMENT_CHARS = 16  # streamed tool-call arguments come in pieces of at most this many characters
 MAX_NUM_DRAFT_TOKENS = 32  # γ per request: the speculative window's own cap (decoding.speculative max_window)
@@ -97,6 +98,15 @@ def parse_chat_request(body: Any, base: EngineConfig, model_names: tuple[str, ..
     _check_unicode(body, "")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError("user", "must be a string")
+    metadata = body.get("metadata")  # OpenAI's tags for stored completions: checked as OpenAI does, then unused
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items())):
+        raise RequestError("metadata", "must be an object of at most 16 string keys (64 characters at most) "
+                                       "with string values (512 characters at most)")
+    if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
+        raise RequestError("service_tier", f"must be one of {', '.join(SERVICE_TIERS)} here, got "
+                                           f"{json.dumps(body['service_tier'])[:80]}")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("model", "is required: the name of a served model, one of " + ", ".join(model_names))

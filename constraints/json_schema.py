@@ -18,11 +18,21 @@ import llguidance
 
 from schemas.check import find_keyword, walk
 from schemas.narrow import bound_integers, bounded_fractions, calendar_dates, narrowable_nodes
-from schemas.errors import SchemaError, json_pointer
+from schemas.errors import RESPONSE_FORMAT, SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
-_ADVICE = ("remove the keyword, rewrite it with enforceable keywords (enum, const, anyOf, pattern, minimum…), or "
-           "register with strict=False to relax it in the grammar and validate every output afterwards")
+_REWRITE = "remove the keyword, rewrite it with enforceable keywords (enum, const, anyOf, pattern, minimum…)"
+
+
+def _relax(tool: str | None) -> str:
+    """How the user relaxes a keyword: a tool is registered leniently; a response format says so itself."""
+    how = ("pass ResponseFormat(schema, strict=False) (or \"strict\": false in OpenAI's json_schema)"
+           if tool == RESPONSE_FORMAT else "register with strict=False")
+    return f"{how} to relax it in the grammar and validate every output afterwards"
+
+
+def _advice(tool: str | None) -> str:
+    return f"{_REWRITE}, or {_relax(tool)}"
 
 
 
@@ -57,7 +67,7 @@ def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = 
             for pointer in find_keyword(schema, kw) or [""]:
                 problems.append((pointer, kw, f"keyword {kw!r} at {pointer or '/'} cannot be enforced by the grammar"))
         where = ", ".join(f"{kw!r} at {p or '/'}" for p, kw, _ in problems)
-        return SchemaError(f"schema uses keywords the grammar cannot enforce: {where}; {_ADVICE}",
+        return SchemaError(f"schema uses keywords the grammar cannot enforce: {where}; {_advice(tool)}",
                            pointer=problems[0][0], keyword=problems[0][1], tool=tool, problems=problems)
     if "oneOf" in message:
         ptrs = find_keyword(schema, "oneOf")
@@ -66,7 +76,7 @@ def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = 
             if len(ptrs) > 1 else ""
         problems = [(q, "oneOf", f"keyword 'oneOf' at {q} may not be enforceable exactly") for q in ptrs]
         return SchemaError(f"keyword 'oneOf' at {p or '/'} cannot be enforced exactly (branches may overlap){more}; "
-                           f"use anyOf with disjoint branches, or {_ADVICE.split(', or ')[-1]}",
+                           f"use anyOf with disjoint branches, or {_relax(tool)}",
                            pointer=p, keyword="oneOf", tool=tool, problems=problems or None)
     fm = _UNKNOWN_FORMAT.search(message)
     if fm:
@@ -74,7 +84,7 @@ def grammar_error_to_schema_error(schema: Any, message: str, tool: str | None = 
         p = ptrs[0] if ptrs else ""
         return SchemaError(f"keyword 'format' at {p or '/'}: format {fm.group(1)!r} is not one the grammar enforces "
                            f"(date-time, date, time, duration, email, hostname, ipv4, ipv6, uuid, uri); use a "
-                           f"pattern, or {_ADVICE.split(', or ')[-1]}", pointer=p, keyword="format", tool=tool,
+                           f"pattern, or {_relax(tool)}", pointer=p, keyword="format", tool=tool,
                            problems=[(q, "format", f"unknown format at {q}") for q in ptrs] or None)
     if _RESOURCE.search(message) or any(k in message for k in _COMPILE_ERRORS):
         return compile_error_to_schema_error(schema, message, tool=tool)
@@ -150,7 +160,7 @@ def check_exact_bounds(schema: Any, tool: str | None = None) -> None:
                                      f"grammar cannot enforce it exactly"))
     if problems:
         raise SchemaError(f"{problems[0][2]}; use a bound within ±2^53 (9007199254740992), or "
-                          f"{_ADVICE.split(', or ')[-1]} (the grammar then keeps the nearest float inside the bound)",
+                          f"{_relax(tool)} (the grammar then keeps the nearest float inside the bound)",
                           pointer=problems[0][0], keyword=problems[0][1], tool=tool, problems=problems)
 
 
@@ -241,7 +251,7 @@ def compile_error_to_schema_error(schema: Any, message: str, tool: str | None = 
         why = "look-around and anchors inside the pattern are not supported by the grammar's regex engine" \
             if "look" in message else "the regular expression does not parse"
         return SchemaError(f"keyword {kw!r} at {p or '/'} cannot be enforced: {why}; rewrite the regex without "
-                           f"look-around, or {_ADVICE.split(', or ')[-1]} ({message.splitlines()[0]})",
+                           f"look-around, or {_relax(tool)} ({message.splitlines()[0]})",
                            pointer=p, keyword=kw, tool=tool)
     m = _RANGE.search(message)
     if m:
@@ -317,7 +327,7 @@ def check_exact_extras(schema: Any, tool: str | None = None) -> None:
     if problems:
         where = ", ".join(f"{kw!r} at {p}" for p, kw, _ in problems)
         raise SchemaError(f"schema uses keywords the grammar cannot enforce: {where} (a repeated undeclared key "
-                          f"would count twice); {_ADVICE}", pointer=problems[0][0], keyword="minProperties",
+                          f"would count twice); {_advice(tool)}", pointer=problems[0][0], keyword="minProperties",
                           tool=tool, problems=problems)
 
 

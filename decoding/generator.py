@@ -134,7 +134,8 @@ class Generator:
         and the drafters it can run."""
         if self.batcher is not None and HIDDEN_STATES in DRAFTERS[drafter].needs:
             raise ValueError(f"the {drafter} drafter needs the target's hidden states, which continuous batching "
-                             f"(--max-batch) does not give; use lookup, or serve without --max-batch")
+                             f"(Generator.enable_batching; the server's --max-batch) does not give; use lookup, "
+                             f"or decode without batching")
         if not self.supports(drafter):
             missing = sorted(DRAFTERS[drafter].needs - self.backend.provides)
             usable = [d for d in DRAFTERS if self.supports(d)]

@@ -5,6 +5,9 @@ its JSON pointer (RFC 6901) inside the schema or instance.
 """
 from __future__ import annotations
 
+# the ``tool`` an error names for a response format's schema (``schemas.ResponseFormat``)
+RESPONSE_FORMAT = "response_format"
+
 
 class SpecAgentError(Exception):
     """Base class of every exception this project raises on purpose (catch it to catch ours).

@@ -23,7 +23,7 @@ import pydantic
 from pydantic.fields import FieldInfo
 
 from .check import check_enforceable, check_valid, instance_validator, walk
-from .errors import SchemaError, ToolCallError, ToolError, json_pointer
+from .errors import RESPONSE_FORMAT, SchemaError, ToolCallError, ToolError, json_pointer
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -270,8 +270,8 @@ class ResponseFormat:
             raise ToolError(f"response_format must be a pydantic model class or a JSON Schema, got "
                             f"{type(spec).__name__}")
         self.strict = strict
-        check_valid(self.schema, tool="response_format")
-        check_enforceable(self.schema, tool="response_format", lenient=not strict)
+        check_valid(self.schema, tool=RESPONSE_FORMAT)
+        check_enforceable(self.schema, tool=RESPONSE_FORMAT, lenient=not strict)
         self._validator = None if self.model else instance_validator(self.schema)
 
     def validate(self, value: Any) -> Any:

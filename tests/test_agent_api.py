@@ -132,6 +132,56 @@ def test_run_batch_checks_every_prompt_before_running_any(agent, turns):
     assert not turns
 
 
+@pytest.mark.parametrize("kwargs, error", [(dict(max_new_tokens=0), "max_new_tokens must be"),
+                                           (dict(tool_choice={"name": "nope"}), "unknown tool 'nope'"),
+                                           (dict(parallel_tool_calls="yes"), "parallel_tool_calls must be"),
+                                           (dict(temprature=0.5), "temprature")])
+def test_run_batch_checks_the_run_options_before_running_any(agent, turns, kwargs, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        agent.run_batch(["Weather in Oslo?", "Weather in Rome?"], max_workers=2, **kwargs)
+    assert not turns
+
+
+def test_one_failing_prompt_does_not_cost_the_batch_its_results(tiny_target):
+    """A helper's batch of three, the second longer than the context: ContextLengthError discarded the two results
+    (max_workers 1 or 3; Ray alike). Now that prompt's result says why, the others stand; return_errors=False
+    raises it."""
+    agent = Agent(Generator(tiny_target), [WEATHER], max_steps=1)
+    prompts = ["Weather in Oslo?", "word " * 5000, "Weather in Rome?"]
+    for workers in (1, 3):
+        results = agent.run_batch(prompts, max_workers=workers, tool_choice="required", max_new_tokens=24)
+        assert [r.stop_reason for r in results] != ["error"] * 3
+        assert results[1].stop_reason == "error" and results[1].error.startswith("ContextLengthError: ")
+        assert results[1].messages == [{"role": "user", "content": prompts[1]}] and not results[1].tool_calls
+        serial = [agent.run(p, tool_choice="required", max_new_tokens=24) for p in prompts[::2]]
+        for r, alone in zip(results[::2], serial):
+            assert r.error is None and r.stop_reason == alone.stop_reason and r.raw_turns == alone.raw_turns
+    from decoding import ContextLengthError
+    with pytest.raises(ContextLengthError):
+        agent.run_batch(prompts, max_workers=3, return_errors=False, tool_choice="required", max_new_tokens=24)
+
+
+def test_response_format_takes_a_response_format_and_the_agents_strict(tiny_target):
+    """A ``ResponseFormat`` passed to ``run`` was refused ('got ResponseFormat'), and ``Agent(strict=False)`` did not
+    relax a response format (its error said to 'register with strict=False', which a response format cannot)."""
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}, "required": ["xs"]}
+    seen = []
+
+    def engine_turn(messages, tools, choice, rf, *a, **k):
+        seen.append(rf)
+        raise RuntimeError("stop here")
+    for agent, rf in ((Agent(Generator(tiny_target), [WEATHER]), ResponseFormat(schema, strict=False)),
+                      (Agent(Generator(tiny_target), [WEATHER], strict=False), schema)):
+        agent.engine.turn = engine_turn
+        with pytest.raises(RuntimeError, match="stop here"):
+            agent.run("xs = 1, 2", tool_choice="none", response_format=rf)
+        assert seen[-1].strict is False and seen[-1].schema == schema
+    with pytest.raises(Exception, match=r"pass ResponseFormat\(schema, strict=False\)") as err:
+        Agent(Generator(tiny_target), [WEATHER]).run("xs", response_format=schema)
+    assert "register with" not in str(err.value)
+
+
 @pytest.mark.parametrize("kwargs, name", [(dict(max_steps=0), "max_steps"), (dict(max_retries=-1), "max_retries"),
                                           (dict(tool_timeout=-1), "tool_timeout")])
 def test_agent_settings_out_of_range_are_refused(tiny_target, kwargs, name):

@@ -402,6 +402,21 @@ def test_an_answer_that_writes_a_call_after_other_characters_is_decoded_again_as
     assert res.final_answer.startswith("I called") and script.answers == ["unused"]
 
 
+def test_the_answer_the_grounding_falls_back_to_is_checked_as_every_answer(tiny_target):
+    """A call after the tool result that takes nothing from the conversation leaves no tool under ``"auto"``: the
+    turn is an answer. Where that answer restates the call and its retry writes one behind a sign (Qwen2.5-Coder-0.5B
+    in the llama3_json format: '({"name": "add", …}' returned as the final answer), it is decoded once more with no
+    brace or backtick anywhere, as every answer is."""
+    script = CountingScript('<tool_call>[{"name": "add", "arguments": {"a": 7, "b": 9}}]</tool_call>',
+                            '```json\n{"name": "add", "arguments": {"a": 7, "b": 9}}\n```',
+                            '({"name": "add", "arguments": {"a": 7, "b": 9}}', "The sum is 42.", "unused")
+    gen = GrammarRecorder(tiny_target, script)
+    res = Agent(gen, [add], drafter="none").run("2 plus 40?")
+    assert res.final_answer == "The sum is 42." and script.answers == ["unused"]
+    assert len(res.tool_calls) == 1 and res.tool_calls[0].result == 42
+    assert _refuses(gen, script.grammars[3], "({") is False and _refuses(gen, script.grammars[4], "The sum is {")
+
+
 @pytest.mark.parametrize("text,live", [("The sum is 42.", True), ('>{"name"', False), ("42 it is", True),
                                        ("* 42", False)])
 def test_a_streamed_answer_after_tool_results_is_held_where_it_may_be_decoded_again(text, live):
@@ -424,3 +439,19 @@ def test_under_none_a_call_written_as_text_is_an_answer_decoded_again_as_prose(t
     agent = Agent(ScriptedGenerator(tiny_target, lambda p: next(answers)), [add, square], drafter="none")
     res = agent.run("Add 1 and 1.", tool_choice="none", max_steps=1)
     assert not res.tool_calls and res.final_answer == "Two." and res.stop_reason == "answer"
+
+
+def test_an_answer_failing_a_relaxed_response_format_ends_the_run_with_error_not_an_exception(tiny_target):
+    """``strict=False`` relaxes ``uniqueItems`` in the grammar; an answer that then fails it raised ToolCallError out
+    of ``run``, losing the run (its tool results too). Now ``error`` says why, the text is kept, ``output`` None."""
+    from schemas import ResponseFormat
+
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"},
+                                                      "uniqueItems": True}}, "required": ["xs"]}
+    agent = Agent(ScriptedGenerator(tiny_target, lambda p: '{"xs": [1, 1]}'), [add], drafter="none")
+    res = agent.run("xs: 1 and 1", tool_choice="none", response_format=ResponseFormat(schema, strict=False))
+    assert res.stop_reason == "error" and "uniqueItems" in res.error and res.output is None
+    assert res.final_answer == '{"xs": [1, 1]}'
+    agent = Agent(ScriptedGenerator(tiny_target, lambda p: '{"xs": [1, 2]}'), [add], drafter="none")
+    res = agent.run("xs: 1 and 2", tool_choice="none", response_format=ResponseFormat(schema, strict=False))
+    assert res.stop_reason == "answer" and res.output == {"xs": [1, 2]} and res.error is None

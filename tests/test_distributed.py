@@ -57,3 +57,18 @@ def test_ray_batch_equals_the_serial_results_local_and_remote_engines(tiny_targe
         remote = Agent(OpenAIEngine(url, "tiny", send_engine_config=True), TOOLS, config=CONFIG)
         results = remote.run_batch(PROMPTS, backend="ray", max_workers=2, **RUN)
     assert [summary(r)[:3] for r in results] == [s[:3] for s in serial]
+
+
+def test_ray_batch_checks_before_running_and_keeps_the_results_of_a_batch_with_a_failing_prompt(tiny_target,
+                                                                                               local_ray):
+    """With Ray, an empty prompt was found only after the others had run (and their results discarded), and one
+    prompt that raised (too long for the context) discarded every result: now checked first, as on threads, and
+    that prompt's result names its error."""
+    agent = Agent(LocalEngine(Generator(tiny_target)), TOOLS, config=CONFIG)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt is empty"):
+        agent.run_batch([PROMPTS[0], ""], backend="ray", max_workers=2, **RUN)
+    with pytest.raises(ValueError, match="max_workers must be an integer >= 1"):
+        agent.run_batch(PROMPTS, backend="ray", max_workers=0, **RUN)
+    results = agent.run_batch([PROMPTS[0], "word " * 5000, PROMPTS[2]], backend="ray", max_workers=2, **RUN)
+    assert results[1].stop_reason == "error" and results[1].error.startswith("ContextLengthError: ")
+    assert [summary(r) for r in results[::2]] == [summary(agent.run(p, **RUN)) for p in PROMPTS[::2]]

@@ -129,8 +129,10 @@ def _scripted_decodes(monkeypatch, engine, turns):
     """Make ``engine._decode`` return ``turns`` in order; returns the list of (exclude, answer_only) it was asked."""
     asked = []
 
-    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset(), answer_excludes=()):
-        asked.append((set(exclude or ()), answer_only) + ((answer_excludes,) if answer_excludes else ()))
+    def decode(*args, exclude=None, answer_only=False, integer_prefixes=frozenset(), answer_excludes=(),
+               answer_forbids=""):
+        asked.append((set(exclude or ()), answer_only) + ((answer_excludes,) if answer_excludes else ())
+                     + ((answer_forbids,) if answer_forbids else ()))
         return turns[len(asked) - 1]
 
     monkeypatch.setattr(engine, "_decode", decode)
