@@ -47,8 +47,9 @@ class RunResult:
         truncated: a turn hit its token budget: a partial tool call or structured output is never returned; a
             partial text answer is returned in ``final_answer``.
         error: why the run stopped early without raising (a decoded call of a lenient tool that still failed
-            validation after the retries, tool results that no longer fit the context, an answer that fails a
-            relaxed ``response_format``: ``final_answer`` holds its text, ``output`` None; in ``run_batch``, what
+            validation after the retries, tool results that no longer fit the context, an answer that fails its
+            ``response_format`` (a keyword relaxed in the grammar, or a pydantic validator the grammar cannot see):
+            ``final_answer`` holds its text, ``output`` None; in ``run_batch``, what
             that prompt's run raised); the transcript and earlier results are kept. None when it did not.
         stop_reason: why the run ended: ``"answer"`` (a final answer), ``"calls"`` (calls returned for the
             caller to run: ``pending_calls``), ``"length"`` (a token budget cut a turn, or ``max_total_tokens`` left
@@ -329,16 +330,29 @@ class Agent:
             raise ValueError(f"backend must be 'thread' or 'ray', got {backend!r}")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
-        inspect.signature(self.run).bind("", **kwargs)  # TypeError naming an argument run() does not take
+        try:
+            inspect.signature(self.run).bind("", **kwargs)
+        except TypeError as e:
+            raise TypeError(f"run_batch passes its keywords to Agent.run(): {e}") from None
         run_options = {k: kwargs.get(k, d) for k, d in (("tool_choice", "auto"), ("response_format", None),
                                                          ("max_total_tokens", None), ("max_steps", None),
                                                          ("parallel_tool_calls", None))}
-        self._options(**run_options, overrides={k: v for k, v in kwargs.items() if k not in run_options})
+        config, response = self._options(**run_options,
+                                          overrides={k: v for k, v in kwargs.items() if k not in run_options})
+        first = None
         for i, p in enumerate(prompts):  # every prompt checked before any runs
             try:
-                self._initial_messages(p)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
+                messages = self._initial_messages(p)
+            except ValueError as e:  # the same exception, its message naming the prompt
+                if len(e.args) != 1:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+                e.args = (f"prompts[{i}]: {e.args[0]}",)
+                raise
+            first = messages if first is None else first
+        check = getattr(self.engine, "check", None)  # what turn() refuses before decoding: format, drafter
+        if check is not None and first is not None:
+            check(first, list(self.registry), run_options["tool_choice"], response,
+                  run_options["parallel_tool_calls"], config)
         if backend == "ray":
             from .distributed import ray_run_batch
 
@@ -356,8 +370,9 @@ class Agent:
                 continue
             if not return_errors:
                 raise out
-            logger.warning("run_batch: prompts[%d] failed: %s: %s", i, type(out).__name__, out)
-            results.append(RunResult(messages=self._initial_messages(p), error=f"{type(out).__name__}: {out}",
+            kind = getattr(out, "type_name", type(out).__name__)  # a Ray actor's error it could not carry back
+            logger.warning("run_batch: prompts[%d] failed: %s: %s", i, kind, out)
+            results.append(RunResult(messages=self._initial_messages(p), error=f"{kind}: {out}",
                                      stop_reason="error"))
         return results
 
@@ -425,7 +440,7 @@ class Agent:
                 if response is not None:
                     try:
                         result.output = response.validate(json.loads(out.text))
-                    except ToolCallError as e:  # a relaxed (strict=False) format: the grammar let it through
+                    except ToolCallError as e:  # a relaxed keyword, or a pydantic validator the grammar cannot see
                         result.error, result.stop_reason = f"the answer fails its response_format: {e}", "error"
                         logger.warning("%s", result.error)
                 emit(Event("final_answer", text=out.text, output=result.output))

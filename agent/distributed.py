@@ -22,7 +22,7 @@ class _AgentActor:
 
     def run(self, prompt: Any, run_kwargs: dict):
         """The run's result, or the exception it raised (as itself where it survives pickling, else a
-        ``RuntimeError`` naming it), so one failed prompt does not discard the others' results."""
+        :class:`RemoteRunError` naming it), so one failed prompt does not discard the others' results."""
         try:
             return self.agent.run(prompt, **run_kwargs)
         except Exception as e:  # noqa: BLE001 - returned to the caller, which reports it for this prompt
@@ -30,7 +30,19 @@ class _AgentActor:
                 pickle.loads(pickle.dumps(e))
                 return e
             except Exception:  # noqa: BLE001 - an exception class Ray could not carry back
-                return RuntimeError(f"{type(e).__name__}: {e}")
+                return RemoteRunError(type(e).__name__, str(e))
+
+
+class RemoteRunError(RuntimeError):
+    """An exception a Ray actor's run raised that does not survive pickling (e.g. ``openai.BadRequestError``):
+    its message, and ``type_name``, the name of its class."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
+
+    def __reduce__(self):
+        return (RemoteRunError, (self.type_name, str(self)))
 
 
 def ray_run_batch(build: Callable[[tuple], Any], spec: tuple, prompts: list, *, num_actors: int = 1,

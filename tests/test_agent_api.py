@@ -135,11 +135,30 @@ def test_run_batch_checks_every_prompt_before_running_any(agent, turns):
 @pytest.mark.parametrize("kwargs, error", [(dict(max_new_tokens=0), "max_new_tokens must be"),
                                            (dict(tool_choice={"name": "nope"}), "unknown tool 'nope'"),
                                            (dict(parallel_tool_calls="yes"), "parallel_tool_calls must be"),
-                                           (dict(temprature=0.5), "temprature")])
+                                           (dict(temprature=0.5), r"Agent\.run\(\): .*'temprature'"),
+                                           (dict(drafter="draft_model"), "needs draft_model=")])
 def test_run_batch_checks_the_run_options_before_running_any(agent, turns, kwargs, error):
     with pytest.raises((ValueError, TypeError), match=error):
         agent.run_batch(["Weather in Oslo?", "Weather in Rome?"], max_workers=2, **kwargs)
     assert not turns
+
+
+def test_run_batch_checks_what_the_engine_refuses_before_running_any(tiny_target):
+    """A helper's finds: parallel_tool_calls=True in a format with no layout for several calls ran every prompt into
+    the same error; a message calling an unknown tool was re-raised as a plain ValueError (``except ToolCallError``
+    missed it)."""
+    from schemas import ToolCallError
+
+    agent = Agent(Generator(tiny_target), [WEATHER], max_steps=1, tool_format="llama3_json")
+    ran = []
+    agent.engine.turn = lambda *a, **k: ran.append(a)
+    with pytest.raises(ToolFormatError, match="no trained layout for several calls"):
+        agent.run_batch(["Weather in Oslo?", "Weather in Rome?"], parallel_tool_calls=True)
+    call = {"id": "c1", "type": "function", "function": {"name": "nope", "arguments": "{}"}}
+    with pytest.raises(ToolCallError, match=r"prompts\[1\]: .*nope"):
+        agent.run_batch(["Weather in Oslo?", [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": None, "tool_calls": [call]}]])
+    assert not ran
 
 
 def test_one_failing_prompt_does_not_cost_the_batch_its_results(tiny_target):

@@ -72,3 +72,25 @@ def test_ray_batch_checks_before_running_and_keeps_the_results_of_a_batch_with_a
     results = agent.run_batch([PROMPTS[0], "word " * 5000, PROMPTS[2]], backend="ray", max_workers=2, **RUN)
     assert results[1].stop_reason == "error" and results[1].error.startswith("ContextLengthError: ")
     assert [summary(r) for r in results[::2]] == [summary(agent.run(p, **RUN)) for p in PROMPTS[::2]]
+
+
+def test_an_actor_returns_an_error_it_cannot_pickle_by_its_name():
+    """``openai.BadRequestError`` does not survive pickling: the actor returns a RemoteRunError naming its class, so
+    run_batch reports 'BadRequestError: …' as on threads (it said 'RuntimeError: BadRequestError: …')."""
+    import pickle
+
+    from agent.distributed import RemoteRunError, _AgentActor
+
+    class Unpicklable(Exception):
+        def __init__(self, message, response):
+            super().__init__(message)
+            self.response = response
+
+    class Failing:
+        def run(self, prompt, **kwargs):
+            raise Unpicklable("400: too long", object())
+
+    out = _AgentActor(lambda spec: Failing(), ()).run("x", {})
+    assert isinstance(out, RemoteRunError) and out.type_name == "Unpicklable" and str(out) == "400: too long"
+    again = pickle.loads(pickle.dumps(out))
+    assert again.type_name == "Unpicklable" and str(again) == "400: too long"
