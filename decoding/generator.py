@@ -66,7 +66,8 @@ class Generator:
             (:mod:`decoding.window`); ``"fixed"``: γ drafter tokens whenever the drafter has them. The output is the
             same either way (greedy: token for token; sampled: in distribution); only the speed differs.
         draft_model: the draft model for ``drafter="draft_model"``: a spec (loaded on the target's backend) or a
-            loaded model of that backend.
+            loaded model of that backend (the target's own loaded model is loaded again from its file where the
+            backend keeps the KV cache in the loaded model: llama.cpp).
         device, dtype: used when ``model`` is a spec (torch backend).
         kv_cache: ``"dynamic"`` or ``"static"`` KV cache for the target and draft model (``decoding.model``, torch
             backend); None: static on CUDA, dynamic elsewhere.
@@ -168,6 +169,12 @@ class Generator:
                     loaded = self.backend.load(spec, **self.backend.draft_args(self.loaded))
                 elif isinstance(spec, self.backend.model_type):
                     loaded = spec
+                    source = self.backend.portable(spec)[0]
+                    if spec is self.loaded and source is not spec:
+                        # the target's own loaded model, on a backend that keeps its KV cache in the loaded model
+                        # (llama.cpp: one context per model and thread): the draft would write its tokens into the
+                        # target's cache; it gets a copy of its own, loaded from the same file
+                        loaded = self.backend.load(source, **self.backend.draft_args(self.loaded))
                 else:
                     raise ValueError(f"the draft model is a {type(spec).__name__}; the target runs on backend "
                                      f"{self.backend.name!r}, whose models are {self.backend.model_type.__name__} "

@@ -146,6 +146,17 @@ def test_draft_model_runs_on_the_llamacpp_backend_token_identical_with_every_dra
     assert drafted > 20 and accepted == drafted
 
 
+def test_the_targets_own_loaded_model_as_draft_gets_a_cache_of_its_own(cpp, questions, references):
+    """``Generator(cpp, draft_model=cpp)``: on llama.cpp a loaded model holds its KV cache (one context per thread),
+    so the drafter wrote its tokens into the target's cache and the target verified after them (a helper's review:
+    "She is a. She is a." for a story). The draft is now a copy loaded from the same file."""
+    same = Generator(cpp, draft_model=cpp, window="fixed")  # every draft sent (cost windows may send none)
+    draft = same.draft_model()
+    assert isinstance(draft, LlamaCppModel) and draft is not cpp and draft.path == cpp.path
+    for row in questions[:3]:
+        assert _decode(same, row, "draft_model")[1].tokens == references[row["id"]].tokens
+
+
 def test_draft_model_reuses_its_prefix_cache_from_decode_to_decode(gen_draft):
     drafter = DraftModelDrafter(gen_draft.new_draft_target())
     fed: list[int] = []
