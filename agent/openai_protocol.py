@@ -167,7 +167,10 @@ def _tools(tools: Any) -> ToolRegistry:
 def _http_advice(message: str, where: str) -> str:
     """A schema error's advice in the request's terms: the Python API's ``strict=False`` is the field
     ``"strict": false`` of ``where`` over HTTP."""
-    return message.replace("register with strict=False", f'set "strict": false in {where}')
+    for advice in ("register with strict=False",  # a tool's, and a response format's (constraints.json_schema)
+                   'pass ResponseFormat(schema, strict=False) (or "strict": false in OpenAI\'s json_schema)'):
+        message = message.replace(advice, f'set "strict": false in {where}')
+    return message
 
 
 def _tool_choice(choice: Any, registry: ToolRegistry) -> Any:

@@ -181,7 +181,10 @@ def bound_scalars(schema: Any, max_string_length: int | None = None, max_decimal
     """A copy of ``schema`` whose unbounded scalars are bounded (for the grammar only; outputs stay valid).
 
     Strings with no ``maxLength``/``enum``/``const``/``pattern``/``format`` get ``maxLength: max_string_length``
-    (or their ``minLength`` when that is larger). With ``max_decimals``, numbers with no ``multipleOf`` get
+    (or their ``minLength`` when that is larger), and so does a string whose ``pattern`` is the place format its
+    description states (:func:`stated_formats`: its items are otherwise unbounded, and a model that never wrote the
+    comma ran on to the token budget; a date format is bounded already); a pattern of the schema's own stays the
+    schema's bound. With ``max_decimals``, numbers with no ``multipleOf`` get
     ``multipleOf: 10**-max_decimals`` (at most that many decimals, no exponent) unless their range holds no such
     multiple, and numbers and integers without bounds get ``|x| <= 1e15``, widened to reach a bound the schema sets
     (``minimum: 1e16`` gives ``maximum: 1e16``). A small model can then not run away inside a value (seen on
@@ -190,11 +193,12 @@ def bound_scalars(schema: Any, max_string_length: int | None = None, max_decimal
     schema = copy.deepcopy(schema)
     for node in narrowable_nodes(schema):
         t = node.get("type")
+        place = _stated_place_items(node)  # the items of a place format its description states, else 0
         if t == "string" and max_string_length is not None and not any(
-                k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
+                k in node for k in ("maxLength", "enum", "const", "format", *(() if place else ("pattern",)))):
             min_length = node.get("minLength")
             floor = int(min_length) if isinstance(min_length, (int, float)) and not isinstance(min_length, bool) else 0
-            node["maxLength"] = max(max_string_length, floor)
+            node["maxLength"] = max(max_string_length, floor, 3 * place - 2)  # "a, b": the shortest of two items
         if t in ("number", "integer") and max_decimals is not None and not any(k in node for k in ("enum", "const")):
             lo, hi = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum", "exclusiveMaximum")
             if t == "number" and "multipleOf" not in node and _has_multiple(lo, hi, max_decimals):
@@ -401,6 +405,15 @@ def stated_formats(schema: Any) -> Any:
         if _stated_applies(node):
             node["pattern"] = stated_format_pattern(node["description"])
     return schema
+
+
+def _stated_place_items(node: dict) -> int:
+    """How many items the place format a string's description states has, where its ``pattern`` is that format's
+    (:func:`stated_formats`); else 0."""
+    pattern = node.get("pattern")
+    if not isinstance(pattern, str) or _PLACE_ITEM not in pattern or not isinstance(node.get("description"), str):
+        return 0
+    return pattern.count(_PLACE_ITEM) if pattern == stated_format_pattern(node["description"]) else 0
 
 
 def _stated_applies(node: Any) -> bool:

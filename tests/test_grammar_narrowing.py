@@ -262,6 +262,25 @@ def test_a_date_or_place_format_stated_in_a_description_constrains_the_value(llt
     assert not accepts(llt, smol_tokenizer, grammar, call("f", {"when": bad}))
 
 
+def test_a_stated_place_format_keeps_the_string_cap(llt, smol_tokenizer):
+    """A place format's items are unbounded: with max_string_length 20, SmolLM2 wrote
+    '上海_current_weather_data_2023_2024_…' without the comma until the token budget cut the call (a helper's find).
+    The cap now holds there too; a date format (bounded) and a pattern of the schema's own are left as they are."""
+    from schemas.narrow import bound_scalars, stated_formats
+
+    place = {"type": "string", "description": "The location, in the format of 'City, State'."}
+    date = {"type": "string", "description": "The day, in the format 'MM/DD/YYYY'."}
+    own = {"type": "string", "pattern": "^[a-z]+$"}
+    schema = {"type": "object", "properties": {"p": place, "d": date, "o": own}, "required": ["p", "d", "o"]}
+    narrowed = bound_scalars(stated_formats(schema), max_string_length=20)["properties"]
+    assert narrowed["p"]["maxLength"] == 20 and "maxLength" not in narrowed["d"] and "maxLength" not in narrowed["o"]
+    assert bound_scalars(stated_formats(schema), max_string_length=2)["properties"]["p"]["maxLength"] == 4
+    grammar = turn_grammar(tools_of(Tool.from_schema("f", {"type": "object", "properties": {"p": place},
+                                                          "required": ["p"]})), "required", max_string_length=20)
+    assert accepts(llt, smol_tokenizer, grammar, call("f", {"p": "Boston, MA"}))
+    assert not accepts(llt, smol_tokenizer, grammar, call("f", {"p": "Boston" * 4 + ", MA"}))
+
+
 @pytest.mark.parametrize("prop", [
     {"type": "string", "description": "The format for dates in the reply, such as 'MM/DD/YYYY'."},  # a format value
     {"type": "string", "description": "In the format 'YYYY-MM-DD' or 'today'."},
