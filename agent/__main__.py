@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -260,6 +261,10 @@ def cmd_bfcl(args) -> int:
     runtimes = args.runtime.split(",")
     if any(r not in RUNTIMES for r in runtimes):
         raise UserError(f"--runtime {args.runtime!r}: choose from {', '.join(RUNTIMES)} (several joined by commas)")
+    categories = CATEGORIES if args.category == "all" else args.category.split(",")
+    if unknown := [c for c in categories if c not in CATEGORIES]:  # before the model loads, not after a category ran
+        raise UserError(f"unknown BFCL category {unknown[0]!r}; choose one of {', '.join(CATEGORIES)} or all "
+                        f"(several joined by commas)")
     engine = LocalEngine(args.model, draft_model=args.draft_model, device=args.device, dtype=args.dtype,
                          tool_format=args.tool_format, chat_template=args.chat_template, **_backend_args(args))
     config = _config(args).override(count_masked_ends=True)  # cut turns: did the grammar mask the model's end?
@@ -270,7 +275,6 @@ def cmd_bfcl(args) -> int:
     factories = {"ours": factory}
     if "parse-only" in runtimes:  # free generation + the format's parser, as vLLM's hermes parser (bench/)
         factories["parse-only"] = parse_only_factory(engine, config)
-    categories = CATEGORIES if args.category == "all" else args.category.split(",")
     summaries = []
     for category in categories:
         for runtime in runtimes:
@@ -394,9 +398,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _backend_args(args)  # conflicting or bad backend flags fail before anything loads
         return args.fn(args)
-    except (SpecAgentError, ValueError) as e:  # user errors (bad tools, model, choice, prompt): one line
-        print(f"error: {e}", file=sys.stderr)
+    except (SpecAgentError, ValueError, FileNotFoundError) as e:  # user errors (bad tools, model, choice, prompt,
+        print(f"error: {e}", file=sys.stderr)                     # a drafter's missing MTP head): one line
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader left (`... | head`): quiet, as Python's docs advise (signal.SIGPIPE notes)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush of stdout must not fail again
+        return 141
 
 
 if __name__ == "__main__":

@@ -19,11 +19,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+import jinja2
+
 from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DecodeStats, Generator, LoadedModel,
                       SamplingParams, check_drafter, check_window)
 from schemas import Tool
 
-from .formats import ToolFormat, make_format
+from .formats import ToolFormat, ToolFormatError, make_format
 from .formats.chat import plain_text_encoder
 from .grounding import (Grounding, asking_named, conversation_text, grounded_call, last_user_text, named_tools,
                         run_together_prefixes, runs_numbers_together, takes_from_conversation, without_empty_named,
@@ -653,7 +655,11 @@ class LocalEngine:
                                            else 2, answer_opens_no_call=True if answer_only else None,
                                            answer_excludes=answer_excludes, answer_forbids=answer_forbids)
         several = parallel_tool_calls is True and mode != "none" and bool(allowed)
-        prompt = self.format.render(messages, list(tools), several=several, call_asked=mode == "required")
+        try:
+            prompt = self.format.render(messages, list(tools), several=several, call_asked=mode == "required")
+        except jinja2.TemplateError as e:  # a chat template of the user's that fails on this conversation
+            raise ToolFormatError(f"the chat template failed to render this conversation: "
+                                  f"{type(e).__name__}: {e}") from None
         return prompt, grammar, allowed, mode
 
     def _opens_call(self, text: str) -> bool:

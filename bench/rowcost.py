@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32)
 
@@ -41,33 +43,83 @@ def measure(spec: str, *, threads: int, repack: bool, rows=DEFAULT_ROWS, prompt_
             "max_abs_diff": diff}
 
 
+def _positive_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers >= 1."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers >= 1")
+    return values
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
+    return value
+
+
+def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if bad := [v for v in values if v not in allowed]:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r}: choose from {', '.join(allowed)} (several joined by "
+                                             f"commas)")
+        return values
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
+    from decoding.llamacpp import REQUANT_TYPES
+
     ap = argparse.ArgumentParser(prog="python -m bench.rowcost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="alias or .gguf path")
-    ap.add_argument("--threads", default="1", help="comma-separated thread counts, e.g. 1,2")
-    ap.add_argument("--weights", default="shipped", help="comma-separated: shipped, q4_0, q8_0")
-    ap.add_argument("--repack", default="off", help="comma-separated: off, on")
-    ap.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
-    ap.add_argument("--prompt-tokens", type=int, default=300)
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=_positive_list, default=(1,), help="comma-separated thread counts, e.g. 1,2")
+    ap.add_argument("--weights", type=_choices(("shipped", *REQUANT_TYPES)), default=["shipped"],
+                    help="comma-separated: shipped, " + ", ".join(REQUANT_TYPES))
+    ap.add_argument("--repack", type=_choices(("off", "on")), default=["off"], help="comma-separated: off, on")
+    ap.add_argument("--rows", type=_positive_list, default=DEFAULT_ROWS, help="comma-separated, starting with 1")
+    ap.add_argument("--prompt-tokens", type=_positive, default=300)
+    ap.add_argument("--repeat", type=_positive, default=7)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.rows[0] != 1:
+        ap.error("--rows must start with 1 (the unit of the cost)")
+    if args.out and not Path(args.out).expanduser().resolve().parent.is_dir():
+        ap.error(f"--out {args.out}: no such directory")  # before the measuring, not after it
     from decoding.loader import KNOWN_MODELS, SHIPPED_TAG
+    from schemas import SpecAgentError
 
-    rows = tuple(int(r) for r in args.rows.split(","))
-    if rows[0] != 1:
-        raise SystemExit("--rows must start with 1 (the unit of the cost)")
-    results = []
+    rows = tuple(args.rows)
     header = "| weights | threads | repack | 1 row ms | " + " | ".join(f"{n} rows" for n in rows[1:]) + \
              " | row 0 in the batch vs alone |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for weight in args.weights.split(","):
+    try:
+        results = _measure_all(args, rows, KNOWN_MODELS, SHIPPED_TAG)
+    except (SpecAgentError, ValueError) as e:  # a model that is not there, a prompt past the context: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _measure_all(args, rows: tuple[int, ...], known: dict, shipped_tag: str) -> list[dict]:
+    """Every table row of :func:`main` measured and printed as it comes; their dicts."""
+    results = []
+    for weight in args.weights:
         # an alias's "shipped" is alias:shipped (a bare alias loads its chosen weights, e.g. the 0.5B as Q8_0)
-        shipped = args.model + SHIPPED_TAG if args.model in KNOWN_MODELS else args.model
+        shipped = args.model + shipped_tag if args.model in known else args.model
         spec = shipped if weight == "shipped" else f"{args.model}:{weight}"
-        for threads in (int(t) for t in args.threads.split(",")):
-            for repack in (r == "on" for r in args.repack.split(",")):
+        for threads in args.threads:
+            for repack in (r == "on" for r in args.repack):
                 r = measure(spec, threads=threads, repack=repack, rows=rows, prompt_tokens=args.prompt_tokens,
                             repeat=args.repeat)
                 flips = [n for n in rows if r["max_abs_diff"][n] > 0]
@@ -76,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {weight} | {threads} | {'on' if repack else 'off'} | {r['ms_1_row']:.1f} | "
                       + " | ".join(f"{r['cost'][n]:.2f}×" for n in rows[1:]) + f" | {same} |", flush=True)
                 results.append({"model": args.model, "weights": weight, "threads": threads, "repack": repack, **r})
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from .backends import (BACKENDS, DEFAULT_BACKEND, HIDDEN_STATES, TORCH_WEIGHTS, 
 from .generator import WINDOWS, ContextLengthError, Generator, check_window
 from .llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppUnavailableError, load_llamacpp
 from .loader import (DEFAULT_MODEL, KNOWN_MODELS, CacheNotWritableError, LoadedModel, ModelNotFoundError,
-                     UnsupportedModelError, WeightTagError, load_model)
+                     UnsupportedModelError, WeightTagError, load_model, BadModelFileError)
 from .model import CausalLM
 from .sampling import SamplingParams
 from .mtp import MTPError
@@ -21,5 +21,5 @@ __all__ = ["BACKENDS", "Backend", "DEFAULT_BACKEND", "DrafterRow", "HIDDEN_STATE
            "TargetModel", "backend_of", "drafter_choices", "get_backend", "CausalLM", "ChainDrafter", "ContextLengthError", "DEFAULT_DRAFTER", "DEFAULT_MODEL", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTERS",
            "DecodeResult", "LlamaCppLM", "LlamaCppModel", "LlamaCppUnavailableError", "load_llamacpp", "DecodeStats", "DraftModelDrafter", "Drafter", "Generator", "KNOWN_MODELS", "LoadedModel",
            "MTPError", "ModelNotFoundError", "PromptLookupDrafter", "SamplingParams", "SchemaDrafter", "SpecAgentError",
-           "UnsupportedModelError", "WINDOWS", "WeightTagError", "CacheNotWritableError", "check_drafter", "check_window", "decode", "load_model", "make_drafter",
+           "UnsupportedModelError", "BadModelFileError", "WINDOWS", "WeightTagError", "CacheNotWritableError", "check_drafter", "check_window", "decode", "load_model", "make_drafter",
            "speculative_decode"]

@@ -54,6 +54,7 @@ cached), and the speculative step drafts a token only where its row pays (``deco
 """
 from __future__ import annotations
 
+import _thread
 import ctypes
 import os
 import sys
@@ -106,11 +107,17 @@ def _log_line(level: int, text: bytes, user_data) -> None:
     ggml's renumbering, so it printed warnings and hid errors), less the note that a GGUF's token looks like a
     control token but is typed otherwise, which llama.cpp then retypes itself (``load: control-looking token:
     128247 '</s>' was not control-type …``: Qwen2.5-Coder's GGUFs, every load; nothing a user can act on)."""
-    level = _last_log_level[0] if level == 5 else level
-    _last_log_level[0] = level
-    line = text.decode("utf-8", errors="replace")
-    if level >= 3 and "control-looking token" not in line:
-        print(line, end="", flush=True, file=sys.stderr)
+    try:
+        level = _last_log_level[0] if level == 5 else level
+        _last_log_level[0] = level
+        line = text.decode("utf-8", errors="replace")
+        if level >= 3 and "control-looking token" not in line:
+            print(line, end="", flush=True, file=sys.stderr)
+    except KeyboardInterrupt:
+        # a Ctrl-C that lands in this callback is dropped by ctypes ("Exception ignored on calling ctypes callback
+        # function"), and the run went on: delivered again from another thread a moment later, by when llama.cpp
+        # has mostly returned to Python (landing here again, it is passed on again)
+        threading.Timer(0.05, _thread.interrupt_main).start()
 
 
 # Weight types a known model can be re-quantised to by llama.cpp's own quantizer (``alias:q8_0``): at one thread

@@ -217,12 +217,15 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | t
     Raises:
         ModelNotFoundError: the files are missing; the message gives the install command.
         UnsupportedModelError: the model's KV cache cannot be rolled back (see :func:`check_rollback`).
-        ValueError: the GGUF's sha256 does not match the pinned one, or ``device`` is CUDA and torch sees none.
+        ValueError: the GGUF's sha256 does not match the pinned one, ``device`` is neither ``cpu`` nor CUDA, or is
+            CUDA and torch sees none.
     """
     torch_dtype = resolve_dtype(dtype)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this torch build sees no CUDA device (a CPU build, or no GPU); use "
                          f"device='cpu'")
+    if not (str(device) == "cpu" or str(device).startswith("cuda")):  # mps, xpu, "gpu"…: torch's own error lists
+        raise ValueError(f"device {device!r}: the torch backend runs on 'cpu' or 'cuda' ('cuda:N')")  # 20 types
     key = (spec, device, torch_dtype)
     with _LOCK:
         if shared and key in _LOADED:
@@ -325,6 +328,32 @@ def locate_gguf(src: ModelSource) -> Path:
         raise ValueError(f"{src.name}: concatenated parts have sha256 {h.hexdigest()}, expected {src.sha256}")
     tmp.replace(out)  # atomic; another process that finished first wrote the same bytes
     return out
+
+
+class BadModelFileError(SpecAgentError, ValueError):
+    """A model file that exists but cannot be read as one (a truncated or corrupt GGUF)."""
+
+
+def check_gguf(path: Path) -> None:
+    """Raise :class:`BadModelFileError` unless ``path`` reads as a whole GGUF file: its header, metadata and tensor
+    table parse and every tensor's data lies inside the file (gguf's own reader: seconds for a large vocabulary, so
+    it runs where a load failed). A file cut short otherwise failed deep in a loader (``struct.error: unpack_from
+    requires a buffer…``, ``cannot reshape array of size …``)."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - whatever the reader trips on, the file is not a whole GGUF
+        raise BadModelFileError(f"{path} ({path.stat().st_size:,} bytes) is not a whole GGUF file, truncated or "
+                                f"corrupt ({type(e).__name__}: {str(e)[:200]}); copy or download it again") from None
+
+
+def gguf_file_failed(spec: Any) -> None:
+    """Where ``spec`` names a ``.gguf`` file of the user's (not an alias) and it is not a whole GGUF, raise
+    :class:`BadModelFileError` naming it (called where loading ``spec`` failed, inside its ``except``)."""
+    path = Path(str(spec)).expanduser() if isinstance(spec, (str, Path)) else None
+    if path is not None and path.suffix == ".gguf" and path.is_file():
+        check_gguf(path)
 
 
 def sha256_file(path: Path) -> str:

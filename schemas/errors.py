@@ -16,7 +16,7 @@ class SpecAgentError(Exception):
     ``RuntimeError`` for a failed operation, ``FileNotFoundError`` for a missing model), so existing
     ``except ValueError`` handlers keep working. Subclasses: :class:`SchemaError`, :class:`ToolError`,
     :class:`ToolCallError`, :class:`InstanceError` (here); ``constraints.GrammarError``,
-    ``constraints.ConstraintError``; ``decoding.ModelNotFoundError``, ``decoding.UnsupportedModelError``,
+    ``constraints.ConstraintError``; ``decoding.ModelNotFoundError``, ``decoding.UnsupportedModelError``, ``decoding.BadModelFileError``,
     ``decoding.ContextLengthError``, ``decoding.MTPError``; ``agent.ToolFormatError``; and in ``bench/``
     ``SkipMode`` and ``LlamaCppUnavailable``.
     """

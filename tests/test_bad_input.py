@@ -282,3 +282,64 @@ def test_cli_tools_may_be_a_dict_of_tools(tmp_path, monkeypatch):
                                                 "TOOLS = {'add': add}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert [t.__name__ for t in load_tools("dict_tools_mod:TOOLS")] == ["add"]
+
+
+def test_bfcl_checks_every_category_before_the_model_loads(capsys):
+    """``--category simple_python,nosuch`` ran all of simple_python, then refused 'nosuch' (a helper's find)."""
+    err = _one_line_error(capsys, ["bfcl", "--model", "no-such-model", "--category", "simple_python,nosuch"])
+    assert "unknown BFCL category 'nosuch'" in err and "no-such-model" not in err
+
+
+def test_a_gguf_cut_short_is_one_error_line_naming_the_file(capsys, tmp_path):
+    """A GGUF truncated in a copy failed deep in a loader: ``struct.error: unpack_from requires a buffer…`` (a
+    traceback) or ``cannot reshape array of size 399424 into shape (576,960)``."""
+    from decoding.loader import KNOWN_MODELS, locate_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(locate_gguf(KNOWN_MODELS["smollm2"]).read_bytes()[:1_000_000])
+    for backend in ("llamacpp", "torch"):
+        err = _one_line_error(capsys, ["run", "--model", str(cut), "--backend", backend, "--threads", "1",
+                                       "--tools", "examples.my_tools:TOOLS", "hi"])
+        assert "cut.gguf (1,000,000 bytes) is not a whole GGUF file, truncated or corrupt" in err
+
+
+@pytest.mark.parametrize("template, text", [("{% for m in messages %}{{ m['role'] }", "TemplateSyntaxError"),
+                                            ("{{ raise_exception('no') }}", "TemplateError: no"),
+                                            ("{{ foo.bar }}", "UndefinedError")])
+def test_a_chat_template_that_fails_is_one_error_line(capsys, tmp_path, template, text):
+    """A broken ``--chat-template`` printed Jinja's traceback and exited 1; the API raised Jinja's own errors."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    err = _one_line_error(capsys, ["run", "--model", "smollm2", "--threads", "1", "--chat-template", str(path),
+                                   "--tools", "examples.my_tools:TOOLS", "hi"])
+    assert "the chat template cannot render one user message" in err and text in err
+
+
+@pytest.mark.parametrize("raised, status, text", [("BrokenPipeError", 141, ""), ("KeyboardInterrupt", 130,
+                                                                                 "interrupted")])
+def test_cli_ends_quietly_on_a_closed_pipe_or_ctrl_c(raised, status, text):
+    """``agent bfcl … | head -1`` ended in a BrokenPipeError traceback; Ctrl-C printed a KeyboardInterrupt one."""
+    import subprocess
+
+    code = ("import agent.__main__ as m\n"
+            f"def boom(args):\n    raise {raised}\n"
+            "m.cmd_run = boom\n"
+            "raise SystemExit(m.main(['run', '--tools', 'examples.my_tools:TOOLS', 'hi']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == status and "Traceback" not in out.stderr and out.stderr.strip() == text
+
+
+def test_a_ctrl_c_landing_in_llama_cpps_log_callback_is_delivered_again():
+    """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback function"):
+    a Ctrl-C that landed in the log callback while llama.cpp loaded was lost and the run went on to its end."""
+    import time
+
+    from decoding.llamacpp import _log_line
+
+    class Interrupted:
+        def decode(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _log_line(3, Interrupted(), None)  # returns: the interrupt is passed on to the main thread
+        time.sleep(5)

@@ -72,3 +72,18 @@ def test_gamma_sweep(tiny_target, tmp_path):
         assert r["identical_to_constrained"] == 1.0
         assert r["speedup"] > 0 and r["predicted_speedup"] is not None and 0 <= r["alpha"] <= 1
     assert (tmp_path / "gamma.md").read_text().count("| lookup |") == 2
+
+
+@pytest.mark.parametrize("args, text", [(["--rows", "abc"], "comma-separated integers >= 1"),
+                                        (["--repeat", "0"], "an integer >= 1"),
+                                        (["--weights", "bogus"], "choose from shipped, q4_0, q8_0"),
+                                        (["--rows", "2,4"], "must start with 1"),
+                                        (["--out", "/nonexistent-dir/x.json"], "no such directory")])
+def test_rowcost_refuses_bad_flags_before_measuring(capsys, args, text):
+    """A helper's finds: each of these measured first or ended in a traceback (ValueError, StatisticsError), a bad
+    --out after the whole table was printed."""
+    import bench.rowcost as rowcost
+
+    with pytest.raises(SystemExit) as e:
+        rowcost.main(args)
+    assert e.value.code == 2 and text in capsys.readouterr().err

@@ -54,13 +54,30 @@ def make_format(tokenizer, tool_format: str | None = None, chat_template: str | 
     """The format object for ``tokenizer`` (detected from its chat template unless ``tool_format`` names one).
 
     Raises:
-        ToolFormatError: unknown ``tool_format``, or no chat template on the tokenizer nor given.
+        ToolFormatError: unknown ``tool_format``, no chat template on the tokenizer nor given, or a given one that
+            does not parse or fails on one user message.
     """
     template = load_chat_template(chat_template) or getattr(tokenizer, "chat_template", None)
     name = tool_format or detect_format(template)
     if name not in FORMATS:
         raise ToolFormatError(f"unknown tool_format {name!r}; choose one of {', '.join(FORMATS)}")
+    if chat_template is not None and tokenizer is not None:
+        _check_template(tokenizer, template)
     return FORMATS[name](tokenizer, template)
+
+
+def _check_template(tokenizer, template: str) -> None:
+    """Raise :class:`ToolFormatError` where a chat template given by the user does not parse, or fails on one user
+    message (transformers would raise Jinja's own errors at the first turn)."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=template,
+                                      add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ToolFormatError(f"the chat template cannot render one user message{where}: "
+                              f"{type(e).__name__}: {e}") from None
 
 
 __all__ = ["FORMATS", "GenericFormat", "HermesFormat", "Llama3JsonFormat", "ToolFormat", "ToolFormatError",
