@@ -261,7 +261,8 @@ def cmd_bfcl(args) -> int:
     runtimes = args.runtime.split(",")
     if any(r not in RUNTIMES for r in runtimes):
         raise UserError(f"--runtime {args.runtime!r}: choose from {', '.join(RUNTIMES)} (several joined by commas)")
-    categories = CATEGORIES if args.category == "all" else args.category.split(",")
+    categories = list(dict.fromkeys(c for name in args.category.split(",")
+                                    for c in (CATEGORIES if name == "all" else (name,))))
     if unknown := [c for c in categories if c not in CATEGORIES]:  # before the model loads, not after a category ran
         raise UserError(f"unknown BFCL category {unknown[0]!r}; choose one of {', '.join(CATEGORIES)} or all "
                         f"(several joined by commas)")
@@ -398,16 +399,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _backend_args(args)  # conflicting or bad backend flags fail before anything loads
         return args.fn(args)
-    except (SpecAgentError, ValueError, FileNotFoundError) as e:  # user errors (bad tools, model, choice, prompt,
-        print(f"error: {e}", file=sys.stderr)                     # a drafter's missing MTP head): one line
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # the reader left (`... | head`): quiet, as Python's docs advise (signal.SIGPIPE notes)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush of stdout must not fail again
         return 141
+    except (SpecAgentError, ValueError, OSError) as e:  # user errors (bad tools, model, choice, prompt, a file that
+        print(f"error: {e}", file=sys.stderr)          # is missing or unreadable, a drafter's MTP head): one line
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, the shell's status for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -91,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rows[0] != 1:
         ap.error("--rows must start with 1 (the unit of the cost)")
-    if args.out and not Path(args.out).expanduser().resolve().parent.is_dir():
-        ap.error(f"--out {args.out}: no such directory")  # before the measuring, not after it
-    from decoding.loader import KNOWN_MODELS, SHIPPED_TAG
+    out = Path(args.out).expanduser() if args.out else None
+    if out is not None and (out.is_dir() or not out.resolve().parent.is_dir()):  # before the measuring, not after
+        ap.error(f"--out {args.out}: " + ("a directory; give a file name" if out.is_dir() else "no such directory"))
+    from decoding.loader import KNOWN_MODELS, SHIPPED_TAG, naming_a_bad_gguf
     from schemas import SpecAgentError
 
     rows = tuple(args.rows)
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     try:
-        results = _measure_all(args, rows, KNOWN_MODELS, SHIPPED_TAG)
+        with naming_a_bad_gguf(args.model):
+            results = _measure_all(args, rows, KNOWN_MODELS, SHIPPED_TAG)
     except (SpecAgentError, ValueError) as e:  # a model that is not there, a prompt past the context: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,16 +20,14 @@ and a :class:`TargetModel` class, and one row here (docs/architecture.md, "Add a
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from schemas.errors import SpecAgentError
 
 from .llamacpp import DEFAULT_N_CTX, LlamaCppModel, available as llamacpp_available, is_gguf, load_llamacpp
-from .loader import LoadedModel, check_threads, gguf_file_failed, load_model
+from .loader import LoadedModel, check_threads, load_model, naming_a_bad_gguf
 from .model import CausalLM
 
 HIDDEN_STATES = "hidden_states"  # forward(hidden=True): the target's last-layer states [k, d] (the MTP head)
@@ -189,7 +187,7 @@ def _load_torch(spec: str, *, device: str = "cpu", dtype: str = "float32", threa
                          f"backend's cache grows with the sequence up to the model's context")
     if threads is not None:  # torch's intra-op threads are per process
         torch.set_num_threads(threads)
-    with _naming_a_bad_gguf(spec):
+    with naming_a_bad_gguf(spec):
         return load_model(spec, device=device, dtype=dtype)
 
 
@@ -203,21 +201,8 @@ def _load_llamacpp(spec: str, *, device: str = "cpu", dtype: str = "float32",
                          f"{'applies' if ', ' not in given else 'apply'} to backend='torch' only")
     if ctx_size is not None and ctx_size < 2:
         raise ValueError(f"ctx_size must be >= 2 KV cache positions (prompt + output), got {ctx_size}")
-    with _naming_a_bad_gguf(spec):
+    with naming_a_bad_gguf(spec):
         return load_llamacpp(spec, n_threads=threads, n_ctx=DEFAULT_N_CTX if ctx_size is None else ctx_size)
-
-
-@contextlib.contextmanager
-def _naming_a_bad_gguf(spec: Any):
-    """A load of ``spec`` that fails on a ``.gguf`` file cut short or corrupt raises ``BadModelFileError`` naming the
-    file instead of the loader's own error (``struct.error``, a numpy reshape) from deep inside."""
-    try:
-        yield
-    except (SpecAgentError, OSError):  # ours, or the file itself (missing, unreadable): as raised
-        raise
-    except Exception:
-        gguf_file_failed(spec)  # raises where the file is not a whole GGUF
-        raise
 
 
 BACKENDS: dict[str, Backend] = {

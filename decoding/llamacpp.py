@@ -55,8 +55,10 @@ cached), and the speculative step drafts a token only where its row pays (``deco
 from __future__ import annotations
 
 import _thread
+import contextlib
 import ctypes
 import os
+import signal
 import sys
 import threading
 import weakref
@@ -95,6 +97,27 @@ def _llama_cpp():
         _log_callback = llama_cpp.llama_log_callback(_log_line)
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     return llama_cpp
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C (SIGINT) recorded, not raised, while the block runs (a llama.cpp call that logs as it goes: a model's
+    load, a context's creation), then raised as ``KeyboardInterrupt`` once it has returned. Raised inside the log
+    callback, ctypes drops the exception ("Exception ignored on calling ctypes callback function") and the run went
+    on to its end. Only in the main thread and under Python's own SIGINT handler (a server's handler is left as
+    it is)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        raise KeyboardInterrupt
 
 
 _log_callback = None  # the ctypes callback given to llama_log_set (kept: llama.cpp holds only its address)
@@ -358,7 +381,8 @@ def load_llamacpp(spec: str, *, n_threads: int | None = None, n_ctx: int = DEFAU
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
     params.use_extra_bufts = repack
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    with sigint_deferred():  # a Ctrl-C during the load is raised once it returns (never dropped in the log callback)
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     kinds = [k for k, bad in (("recurrent", llama_cpp.llama_model_is_recurrent(model)),
@@ -825,7 +849,8 @@ def _new_context(model: LlamaCppModel, n_seq: int, seq_ctx: int, n_batch: int):
     p.kv_unified = False
     p.n_threads = p.n_threads_batch = model.n_threads
     p.no_perf = True
-    ctx = lib.llama_init_from_model(model._model, p)
+    with sigint_deferred():
+        ctx = lib.llama_init_from_model(model._model, p)
     if not ctx:
         raise RuntimeError(f"llama.cpp could not create a context of {n_seq} sequences × {seq_ctx} positions for "
                            f"{model.name}")

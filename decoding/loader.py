@@ -224,8 +224,8 @@ def load_model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: str | t
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this torch build sees no CUDA device (a CPU build, or no GPU); use "
                          f"device='cpu'")
-    if not (str(device) == "cpu" or str(device).startswith("cuda")):  # mps, xpu, "gpu"…: torch's own error lists
-        raise ValueError(f"device {device!r}: the torch backend runs on 'cpu' or 'cuda' ('cuda:N')")  # 20 types
+    if not re.fullmatch(r"(cpu|cuda)(:\d+)?", str(device)):  # mps, xpu, "gpu"…: torch's own error lists 20 types
+        raise ValueError(f"device {device!r}: the torch backend runs on 'cpu' or 'cuda' ('cuda:N')")
     key = (spec, device, torch_dtype)
     with _LOCK:
         if shared and key in _LOADED:
@@ -348,12 +348,23 @@ def check_gguf(path: Path) -> None:
                                 f"corrupt ({type(e).__name__}: {str(e)[:200]}); copy or download it again") from None
 
 
-def gguf_file_failed(spec: Any) -> None:
-    """Where ``spec`` names a ``.gguf`` file of the user's (not an alias) and it is not a whole GGUF, raise
-    :class:`BadModelFileError` naming it (called where loading ``spec`` failed, inside its ``except``)."""
-    path = Path(str(spec)).expanduser() if isinstance(spec, (str, Path)) else None
-    if path is not None and path.suffix == ".gguf" and path.is_file():
+@contextlib.contextmanager
+def naming_a_bad_gguf(spec: Any):
+    """A load of ``spec`` that fails, where ``spec`` is a ``.gguf`` file of the user's (not an alias), raises
+    :class:`BadModelFileError` naming the file — cut short or corrupt (:func:`check_gguf`), or whole but not loadable
+    (settings no loader takes) — instead of the loader's own error from deep inside (``struct.error``, a numpy
+    reshape, a config validator). Our own errors and the file system's (missing, unreadable) pass as raised."""
+    try:
+        yield
+    except (SpecAgentError, OSError):
+        raise
+    except Exception as e:
+        path = Path(str(spec)).expanduser() if isinstance(spec, (str, Path)) else None
+        if path is None or path.suffix != ".gguf" or not path.is_file():
+            raise
         check_gguf(path)
+        raise BadModelFileError(f"{path} is a GGUF file that could not be loaded: {type(e).__name__}: "
+                                f"{str(e)[:300]}") from e
 
 
 def sha256_file(path: Path) -> str:

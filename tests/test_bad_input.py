@@ -285,9 +285,31 @@ def test_cli_tools_may_be_a_dict_of_tools(tmp_path, monkeypatch):
 
 
 def test_bfcl_checks_every_category_before_the_model_loads(capsys):
-    """``--category simple_python,nosuch`` ran all of simple_python, then refused 'nosuch' (a helper's find)."""
-    err = _one_line_error(capsys, ["bfcl", "--model", "no-such-model", "--category", "simple_python,nosuch"])
-    assert "unknown BFCL category 'nosuch'" in err and "no-such-model" not in err
+    """``--category simple_python,nosuch`` ran all of simple_python, then refused 'nosuch' (a helper's find);
+    ``all,nosuch`` named 'all'."""
+    for category in ("simple_python,nosuch", "all,nosuch"):
+        err = _one_line_error(capsys, ["bfcl", "--model", "no-such-model", "--category", category])
+        assert "unknown BFCL category 'nosuch'" in err and "no-such-model" not in err
+
+
+def test_an_unreadable_or_unloadable_gguf_is_one_error_line(capsys, tmp_path, monkeypatch):
+    """An unreadable file raised PermissionError through the CLI; a whole GGUF no loader takes raised the loader's
+    own error (a config validator's) from deep inside."""
+    import decoding.loader as loader
+    from decoding.loader import KNOWN_MODELS, BadModelFileError, locate_gguf, naming_a_bad_gguf
+
+    monkeypatch.setattr(loader, "sha256_file", lambda path: (_ for _ in ()).throw(PermissionError(
+        13, "Permission denied", str(path))))
+    err = _one_line_error(capsys, ["run", "--model", str(locate_gguf(KNOWN_MODELS["smollm2"])), "--backend", "torch",
+                                   "--tools", "examples.my_tools:TOOLS", "hi"])
+    assert "Permission denied" in err
+    whole = locate_gguf(KNOWN_MODELS["smollm2"])
+    with pytest.raises(BadModelFileError, match="is a GGUF file that could not be loaded: TypeError: odd"):
+        with naming_a_bad_gguf(str(whole)):
+            raise TypeError("odd")
+    with pytest.raises(TypeError):  # an alias is not a file of the user's: its error stands
+        with naming_a_bad_gguf("smollm2"):
+            raise TypeError("odd")
 
 
 def test_a_gguf_cut_short_is_one_error_line_naming_the_file(capsys, tmp_path):
@@ -305,7 +327,8 @@ def test_a_gguf_cut_short_is_one_error_line_naming_the_file(capsys, tmp_path):
 
 @pytest.mark.parametrize("template, text", [("{% for m in messages %}{{ m['role'] }", "TemplateSyntaxError"),
                                             ("{{ raise_exception('no') }}", "TemplateError: no"),
-                                            ("{{ foo.bar }}", "UndefinedError")])
+                                            ("{{ foo.bar }}", "UndefinedError"),
+                                            ("{{ messages[0]['content'] + 1 }}", "TypeError")])
 def test_a_chat_template_that_fails_is_one_error_line(capsys, tmp_path, template, text):
     """A broken ``--chat-template`` printed Jinja's traceback and exited 1; the API raised Jinja's own errors."""
     path = tmp_path / "t.jinja"
@@ -329,17 +352,30 @@ def test_cli_ends_quietly_on_a_closed_pipe_or_ctrl_c(raised, status, text):
     assert out.returncode == status and "Traceback" not in out.stderr and out.stderr.strip() == text
 
 
-def test_a_ctrl_c_landing_in_llama_cpps_log_callback_is_delivered_again():
+def test_a_ctrl_c_while_llama_cpp_loads_is_raised_once_the_load_returns():
     """ctypes drops an exception raised in a callback ("Exception ignored on calling ctypes callback function"):
-    a Ctrl-C that landed in the log callback while llama.cpp loaded was lost and the run went on to its end."""
+    a Ctrl-C that landed in llama.cpp's log callback while it loaded was lost and the run went on to its end. The
+    load now defers SIGINT and raises it after; a Ctrl-C landing in the callback at another time is delivered again
+    a moment later. (Python's own SIGINT handler set here: an earlier test may have left a server's.)"""
+    import signal
     import time
 
-    from decoding.llamacpp import _log_line
+    from decoding.llamacpp import _log_line, sigint_deferred
 
     class Interrupted:
         def decode(self, *args, **kwargs):
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        _log_line(3, Interrupted(), None)  # returns: the interrupt is passed on to the main thread
-        time.sleep(5)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        reached = []
+        with pytest.raises(KeyboardInterrupt):
+            with sigint_deferred():
+                signal.raise_signal(signal.SIGINT)  # recorded: the block goes on
+                reached.append("after the signal")
+        assert reached == ["after the signal"]
+        with pytest.raises(KeyboardInterrupt):
+            _log_line(3, Interrupted(), None)  # returns: the interrupt is passed on to the main thread
+            time.sleep(5)
+    finally:
+        signal.signal(signal.SIGINT, previous)

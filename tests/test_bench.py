@@ -78,7 +78,8 @@ def test_gamma_sweep(tiny_target, tmp_path):
                                         (["--repeat", "0"], "an integer >= 1"),
                                         (["--weights", "bogus"], "choose from shipped, q4_0, q8_0"),
                                         (["--rows", "2,4"], "must start with 1"),
-                                        (["--out", "/nonexistent-dir/x.json"], "no such directory")])
+                                        (["--out", "/nonexistent-dir/x.json"], "no such directory"),
+                                        (["--out", "/tmp"], "a directory; give a file name")])
 def test_rowcost_refuses_bad_flags_before_measuring(capsys, args, text):
     """A helper's finds: each of these measured first or ended in a traceback (ValueError, StatisticsError), a bad
     --out after the whole table was printed."""

@@ -74,8 +74,8 @@ def _check_template(tokenizer, template: str) -> None:
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=template,
                                       add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as e:
-        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+    except Exception as e:  # noqa: BLE001 - Jinja's errors, and what a template's own expressions raise
+        where = f" (line {e.lineno})" if isinstance(e, jinja2.TemplateError) and getattr(e, "lineno", None) else ""
         raise ToolFormatError(f"the chat template cannot render one user message{where}: "
                               f"{type(e).__name__}: {e}") from None
 
