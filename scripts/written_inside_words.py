@@ -13,6 +13,10 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.grounding import leaf_values  # noqa: E402
+
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bfcl"
 
 
@@ -25,17 +29,6 @@ def questions() -> dict[str, str]:
             msgs = [m for turn in q for m in turn] if isinstance(q[0], list) else q
             out[r["id"]] = " ".join(m["content"] for m in msgs if m["role"] in ("user", "system"))
     return out
-
-
-def strings(v):
-    if isinstance(v, str):
-        yield v
-    elif isinstance(v, dict):
-        for x in v.values():
-            yield from strings(x)
-    elif isinstance(v, list):
-        for x in v:
-            yield from strings(x)
 
 
 def main(files: list[str]) -> int:
@@ -55,7 +48,7 @@ def main(files: list[str]) -> int:
                     args = json.loads(m.group(1))
                 except json.JSONDecodeError:
                     continue
-                for s in strings(args):
+                for s in (v for v in leaf_values(args) if isinstance(v, str)):
                     if len(s) < 3 or s.lower() not in text.lower():
                         continue
                     if re.search(r"(?<!\w)" + re.escape(s) + r"(?!\w)", text, re.I):
