@@ -23,7 +23,7 @@ import jinja2
 
 from decoding import (DEFAULT_DRAFTER, DEFAULT_MODEL, DEFAULT_NUM_DRAFT_TOKENS, DecodeStats, Generator, LoadedModel,
                       SamplingParams, check_drafter, check_window)
-from schemas import Tool
+from schemas import SpecAgentError, Tool
 
 from .formats import ToolFormat, ToolFormatError, make_format
 from .formats.chat import plain_text_encoder
@@ -657,8 +657,13 @@ class LocalEngine:
         several = parallel_tool_calls is True and mode != "none" and bool(allowed)
         try:
             prompt = self.format.render(messages, list(tools), several=several, call_asked=mode == "required")
-        except jinja2.TemplateError as e:  # a chat template of the user's that fails on this conversation
-            raise ToolFormatError(f"the chat template failed to render this conversation: "
+        except Exception as e:  # noqa: BLE001 - a chat template that fails on this conversation
+            if not (isinstance(e, jinja2.TemplateError) or (self.format.user_template
+                                                           and not isinstance(e, SpecAgentError))):
+                raise
+            ours = " (after tool results the format adds a system message of its own, the answer prompt)" \
+                if messages[-1]["role"] == "tool" and "system" in str(e).lower() else ""
+            raise ToolFormatError(f"the chat template failed to render this conversation{ours}: "
                                   f"{type(e).__name__}: {e}") from None
         return prompt, grammar, allowed, mode
 

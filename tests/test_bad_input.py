@@ -379,3 +379,19 @@ def test_a_ctrl_c_while_llama_cpp_loads_is_raised_once_the_load_returns():
             time.sleep(5)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_user_template_failing_on_a_later_conversation_is_a_tool_format_error(tiny_target, tmp_path):
+    """A template of the user's that renders one user message but fails with a tool result (Gemma's "System role
+    not supported", or an error of its own expression) raised that error from inside transformers."""
+    from agent.formats import ToolFormatError
+
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                "supported') }}{% endif %}{% if m['role'] == 'tool' %}{{ m['content'] + 1 }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    agent = Agent(Generator(tiny_target), [add], chat_template=template, tool_format="hermes")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    history = [{"role": "user", "content": "1 plus 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    with pytest.raises(ToolFormatError, match="the chat template failed to render this conversation"):
+        agent.run(history, max_steps=1)

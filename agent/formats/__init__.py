@@ -63,7 +63,9 @@ def make_format(tokenizer, tool_format: str | None = None, chat_template: str | 
         raise ToolFormatError(f"unknown tool_format {name!r}; choose one of {', '.join(FORMATS)}")
     if chat_template is not None and tokenizer is not None:
         _check_template(tokenizer, template)
-    return FORMATS[name](tokenizer, template)
+    fmt = FORMATS[name](tokenizer, template)
+    fmt.user_template = chat_template is not None  # its errors are the template's: agent.engine says so
+    return fmt
 
 
 def _check_template(tokenizer, template: str) -> None:

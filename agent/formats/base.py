@@ -47,6 +47,7 @@ class ToolFormat:
     name = "base"
     parallel = True
     counts_calls = False
+    user_template = False  # the chat template is the user's (``chat_template=``), not the tokenizer's
     end_whitespace = '"\\n"?'  # Lark: what may follow the last call before the turn ends (one optional newline)
 
     def __init__(self, tokenizer, chat_template: str | None = None):
