@@ -339,19 +339,18 @@ class Agent:
                                                          ("parallel_tool_calls", None))}
         config, response = self._options(**run_options,
                                           overrides={k: v for k, v in kwargs.items() if k not in run_options})
-        first = None
-        for i, p in enumerate(prompts):  # every prompt checked before any runs
+        initial = []  # each prompt's messages: checked before any runs, an error's result holds them
+        for i, p in enumerate(prompts):
             try:
-                messages = self._initial_messages(p)
+                initial.append(self._initial_messages(p))
             except ValueError as e:  # the same exception, its message naming the prompt
                 if len(e.args) != 1:
                     raise ValueError(f"prompts[{i}]: {e}") from None
                 e.args = (f"prompts[{i}]: {e.args[0]}",)
                 raise
-            first = messages if first is None else first
         check = getattr(self.engine, "check", None)  # what turn() refuses before decoding: format, drafter
-        if check is not None and first is not None:
-            check(first, list(self.registry), run_options["tool_choice"], response,
+        if check is not None and initial:
+            check(initial[0], list(self.registry), run_options["tool_choice"], response,
                   run_options["parallel_tool_calls"], config)
         if backend == "ray":
             from .distributed import ray_run_batch
@@ -364,7 +363,7 @@ class Agent:
             with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
                 outcomes = list(pool.map(lambda p: _outcome(self.run, p, kwargs), prompts))
         results = []
-        for i, (p, out) in enumerate(zip(prompts, outcomes)):
+        for i, (messages, out) in enumerate(zip(initial, outcomes)):
             if isinstance(out, RunResult):
                 results.append(out)
                 continue
@@ -372,8 +371,7 @@ class Agent:
                 raise out
             kind = getattr(out, "type_name", type(out).__name__)  # a Ray actor's error it could not carry back
             logger.warning("run_batch: prompts[%d] failed: %s: %s", i, kind, out)
-            results.append(RunResult(messages=self._initial_messages(p), error=f"{kind}: {out}",
-                                     stop_reason="error"))
+            results.append(RunResult(messages=messages, error=f"{kind}: {out}", stop_reason="error"))
         return results
 
     # -- the loop ---------------------------------------------------------------------------------------------------

@@ -439,22 +439,27 @@ class LocalEngine:
                     out.stats, prefixes = again.stats, frozenset()
                 else:
                     out = again
-        wanted = (not out.is_call and response_format is None and out.stop_reason != "length"
-                  and answer_wanted(messages, mode))
-        for attempt in range(2):
-            restated = wanted and restates(out.text, tools, messages)
-            if not (restated or (wanted and writes_call(out.text, tools))):
-                break
-            # where an answer is wanted (after tool results, or under "none"): an answer that is only a call
-            # written as JSON (a ```json fence) or a tool result echoed is decoded again as an answer that cannot
-            # start with a backtick (a code block, or "``json" around the fence); one that opens with a sign and
-            # writes a call among other text ('>{"name": "get_weather", …}'), or what that retry writes, is
-            # decoded again with no brace or backtick anywhere (at most twice in all)
-            again = decode(answer_only=True, answer_excludes=("`",),
-                           answer_forbids="" if restated and attempt == 0 else "{`")
-            again.stats = out.stats + again.stats
-            out = again
-            wanted = out.stop_reason != "length"
+        def as_prose(out: DecodedTurn, excludes: tuple[str, ...], **kwargs) -> DecodedTurn:
+            """``out``, or where it is an answer that only restates a call as JSON (a ```json fence) or echoes a
+            tool result, decoded again as an answer that cannot open with ``excludes``; one that opens with a sign
+            and writes a call among other text ('>{"name": "get_weather", …}'), or what that retry writes, decoded
+            again with no brace or backtick anywhere (at most twice in all; every decode's stats counted)."""
+            for attempt in range(2):
+                if out.stop_reason == "length":
+                    break
+                restated = restates(out.text, tools, messages)
+                if not (restated or writes_call(out.text, tools)):
+                    break
+                again = decode(answer_only=True, answer_excludes=excludes,
+                               answer_forbids="" if restated and attempt == 0 else "{`", **kwargs)
+                again.stats = out.stats + again.stats
+                out = again
+            return out
+
+        if not out.is_call and response_format is None and answer_wanted(messages, mode):
+            # an answer is wanted (after tool results, or under "none"): the retry cannot open with a backtick (a
+            # code block, or "``json" around the fence)
+            out = as_prose(out, ("`",))
         if not config.grounding or not out.calls:
             return out
         first, stats, excluded = out, out.stats, set()
@@ -473,20 +478,12 @@ class LocalEngine:
                 out = first  # a retry cut by the budget: the first turn stands
                 break
             if final and response_format is None:
-                # the answer the grounding fell back to only writes a call as JSON ("What is the capital of
-                # France?" → ```json {"name": "get_weather", …}): decoded again as prose (no backtick or brace
-                # first: a bare {"name": …} is how the format writes a call); one that opens with a sign and
-                # writes a call ('({"name": "add", …}'), or what that retry writes, with no brace or backtick
-                # anywhere (as for any answer: above)
-                for attempt in range(2):
-                    if out.stop_reason == "length":
-                        break
-                    restated = restates(out.text, tools, messages)
-                    if not (restated or writes_call(out.text, tools)):
-                        break
-                    out = decode(answer_only=True, answer_excludes=("`", "{"), integer_prefixes=prefixes,
-                                 answer_forbids="" if restated and attempt == 0 else "{`")
-                    stats = stats + out.stats
+                # the answer the grounding fell back to ("What is the capital of France?" → ```json {"name":
+                # "get_weather", …}) is checked as every answer (as_prose), its retry opening with neither a
+                # backtick nor a brace (a bare {"name": …} is how the format writes a call)
+                out.stats = stats
+                out = as_prose(out, ("`", "{"), integer_prefixes=prefixes)
+                stats = out.stats
         out.stats = stats
         if out.calls:
             out.calls = returned_calls(out.calls, allowed, messages, grounding,

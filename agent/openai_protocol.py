@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.errors import RELAX_RESPONSE_FORMAT, RELAX_TOOL
 from schemas import ResponseFormat, SchemaError, ToolCall, ToolCallError, ToolError, ToolRegistry, as_tool
 
 from .engine import DecodedTurn, EngineConfig, answer_wanted
@@ -167,8 +168,7 @@ def _tools(tools: Any) -> ToolRegistry:
 def _http_advice(message: str, where: str) -> str:
     """A schema error's advice in the request's terms: the Python API's ``strict=False`` is the field
     ``"strict": false`` of ``where`` over HTTP."""
-    for advice in ("register with strict=False",  # a tool's, and a response format's (constraints.json_schema)
-                   'pass ResponseFormat(schema, strict=False) (or "strict": false in OpenAI\'s json_schema)'):
+    for advice in (RELAX_TOOL, RELAX_RESPONSE_FORMAT):
         message = message.replace(advice, f'set "strict": false in {where}')
     return message
 

@@ -18,16 +18,14 @@ import llguidance
 
 from schemas.check import find_keyword, walk
 from schemas.narrow import bound_integers, bounded_fractions, calendar_dates, narrowable_nodes
-from schemas.errors import RESPONSE_FORMAT, SchemaError, json_pointer
+from schemas.errors import RELAX_RESPONSE_FORMAT, RELAX_TOOL, RESPONSE_FORMAT, SchemaError, json_pointer
 
 # What strict mode tells the user to do, per keyword.
 _REWRITE = "remove the keyword, rewrite it with enforceable keywords (enum, const, anyOf, pattern, minimum…)"
 
 
 def _relax(tool: str | None) -> str:
-    """How the user relaxes a keyword: a tool is registered leniently; a response format says so itself."""
-    how = ("pass ResponseFormat(schema, strict=False) (or \"strict\": false in OpenAI's json_schema)"
-           if tool == RESPONSE_FORMAT else "register with strict=False")
+    how = RELAX_RESPONSE_FORMAT if tool == RESPONSE_FORMAT else RELAX_TOOL
     return f"{how} to relax it in the grammar and validate every output afterwards"
 
 

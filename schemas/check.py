@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 import jsonschema
 import jsonschema.validators
 
-from .errors import RESPONSE_FORMAT, InstanceError, SchemaError, SpecAgentError, json_pointer
+from .errors import (RELAX_RESPONSE_FORMAT, RELAX_TOOL, RESPONSE_FORMAT, InstanceError, SchemaError, SpecAgentError,
+                     json_pointer)
 
 # Keywords whose value is a schema / map of schemas / list of schemas (for walking a schema tree).
 _SUBSCHEMA = {"not", "if", "then", "else", "items", "additionalProperties", "contains", "propertyNames",
@@ -300,8 +301,7 @@ def check_enforceable(schema: Any, tool: str | None = None, lenient: bool = Fals
     if not _enforceability_checks:
         if lenient:
             return
-        relax = ("pass ResponseFormat(schema, strict=False)" if tool == RESPONSE_FORMAT
-                 else "register with strict=False")
+        relax = RELAX_RESPONSE_FORMAT if tool == RESPONSE_FORMAT else RELAX_TOOL
         raise SpecAgentError("strict registration needs the grammar engine's enforceability check: import "
                              f"constraints (or any of decoding, agent) first, or {relax}")
     _enforceability_checks[0](schema, tool, lenient)

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 # the ``tool`` an error names for a response format's schema (``schemas.ResponseFormat``)
 RESPONSE_FORMAT = "response_format"
+# How the Python API relaxes a schema keyword, as the advice of a strict schema error says it (a server rewrites
+# these in its request's terms: agent.openai_protocol): a tool is registered leniently; a response format says so.
+RELAX_TOOL = "register with strict=False"
+RELAX_RESPONSE_FORMAT = "pass ResponseFormat(schema, strict=False) (or \"strict\": false in OpenAI's json_schema)"
 
 
 class SpecAgentError(Exception):
